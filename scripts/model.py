@@ -1,0 +1,366 @@
+"""A Llama-style decoder-only transformer used as the workload for float8 training.
+
+Mental model: ``tokens -> tok_embeddings -> blocks[0..n_layers) -> norm -> output -> logits``.
+Each block is pre-norm residual:
+
+    h = x + attention(attention_norm(x))      # q/k/v/o linears, RoPE, GQA, causal SDPA
+    out = h + feed_forward(ffn_norm(h))       # SwiGLU: w2(silu(w1(x)) * w3(x))
+
+Every matmul is a bias-free ``nn.Linear`` (the layers the float8 conversion swaps); the
+embedding, the norms and the output head are ordinary modules. ``Transformer.blocks`` is an
+``nn.ModuleList`` so FSDP2 can ``fully_shard`` each block and then the root.
+
+Initialization is explicit and deterministic: build the model (on any device, ``meta``
+included), move it (``to_empty``) if needed, then call ``init_weights(seed)``. Every
+parameter is drawn on the CPU from its own generator seeded by ``(seed, its name)``, so all
+ranks, all devices and all sharding layouts get identical values; with FSDP2 each rank
+copies out its own shard. The rotary tables are non-persistent buffers that
+``init_weights`` recomputes (``to_empty`` leaves them as garbage).
+
+``forward`` returns logits in the output head's compute dtype (float32 for float32
+parameters, the param dtype under FSDP2 mixed precision); upcast before the loss.
+
+FLOPs for MFU (``flops_per_token``): ``6 * N + 12 * n_layers * dim * seq_len`` where N
+counts the non-embedding parameters (the output head included, even when tied, because its
+matmul still runs), the usual PaLM-appendix formula; the attention term ignores causal
+masking as that formula does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "PRESETS",
+    "Attention",
+    "FeedForward",
+    "ModelArgs",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "flops_per_token",
+    "model_args",
+    "num_params",
+    "param_count",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Shape of the transformer; ``ffn_hidden_dim`` is derived Llama-style."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    vocab_size: int = 256
+    multiple_of: int = 256  # round the SwiGLU hidden dim up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelArgs.{name}={value!r}; expected a positive int")
+        if self.dim % self.n_heads != 0 or self.head_dim % 2 != 0:
+            raise ValueError(
+                f"ModelArgs dim={self.dim}, n_heads={self.n_heads} give head_dim "
+                f"{self.dim / self.n_heads}; expected an even integer head_dim (RoPE rotates "
+                "pairs); choose dim divisible by 2 * n_heads"
+            )
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"ModelArgs n_kv_heads={self.n_kv_heads} with n_heads={self.n_heads}; expected "
+                "a positive divisor of n_heads (grouped-query attention shares each kv head "
+                "among n_heads // n_kv_heads query heads)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Llama: start from 4 * dim, take 2/3 (SwiGLU has three matrices instead of two),
+        # apply the optional multiplier, round up to multiple_of.
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+PRESETS: dict[str, ModelArgs] = {
+    # ~3.3M parameters, byte-level; every linear dim is a multiple of 16 (float8 GEMMs).
+    "tiny": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
+    # ~38M parameters, byte-level.
+    "small": ModelArgs(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=2048),
+    # Llama-3 shapes (no rope frequency scaling): ffn hidden 14336 and 28672.
+    "llama3_8b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    "llama3_70b": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+}
+
+
+def model_args(preset: str, **overrides: object) -> ModelArgs:
+    """The named preset with fields replaced, e.g. ``model_args("tiny", n_layers=2)``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; expected one of {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(
+            f"model_args got unknown override(s) {unknown}; expected fields of ModelArgs: "
+            f"{sorted(fields)}"
+        )
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, normalized in float32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+        return normed * self.weight
+
+
+def rope_tables(
+    args: ModelArgs, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each ``(max_seq_len, head_dim // 2)`` float32."""
+    exponents = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float64)
+    inv_freq = 1.0 / (args.rope_theta ** (exponents / args.head_dim))
+    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs ``(x[2i], x[2i+1])`` of ``x: (batch, seq, heads, head_dim)``."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos = cos[None, :, None, :]  # broadcast over batch and heads
+    sin = sin[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.kv_heads
+        self.head_dim = args.head_dim
+        kv_dim = self.n_kv_heads * self.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        repeats = self.n_heads // self.n_kv_heads
+        if repeats > 1:  # each kv head serves `repeats` consecutive query heads
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM; call ``init_weights(seed)`` after building (see module docstring)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.blocks = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(args, self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens: (batch, seq_len)`` int64 -> logits ``(batch, seq_len, vocab_size)``."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens has shape {tuple(tokens.shape)}; expected (batch, seq_len)")
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len={self.args.max_seq_len}; "
+                "build the model with model_args(..., max_seq_len=N) for N >= seq_len"
+            )
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        h = self.tok_embeddings(tokens)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministically (re)initialize every parameter and the rotary buffers."""
+        for name, param in self.named_parameters():
+            name = _canonical_name(name)
+            full = _initial_value(name, tuple(param.shape), self.args, seed)
+            _copy_full_into(param, full)
+        cos, sin = rope_tables(self.args, self.rope_cos.device)
+        self.rope_cos = cos
+        self.rope_sin = sin
+
+
+def _canonical_name(name: str) -> str:
+    """Drop wrapper prefixes (torch.compile, activation checkpointing) from a param name."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _initial_value(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int) -> torch.Tensor:
+    """The float32 CPU init of parameter ``name``; depends only on (seed, name, shape)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if len(shape) == 1:  # RMSNorm weights
+        return torch.ones(shape)
+    if name == "tok_embeddings.weight":
+        # A tied embedding is also the output head: keep logits O(1) with a small std.
+        std = 0.02 if args.tie_embeddings else 1.0
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+    if name == "output.weight":
+        std = args.dim**-0.5
+        return _trunc_normal(shape, std, generator)
+    std = 0.02
+    if name.endswith((".wo.weight", ".w2.weight")):  # residual-stream writers: depth-scaled
+        std = 0.02 / math.sqrt(2 * args.n_layers)
+    return _trunc_normal(shape, std, generator)
+
+
+def _trunc_normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+    return nn.init.trunc_normal_(
+        torch.empty(shape), std=std, a=-3 * std, b=3 * std, generator=generator
+    )
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full CPU value into a parameter that may be an FSDP2-sharded DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: no communication, every rank slices its shard from its own
+        # identical copy of `full` with the same chunking FSDP2 uses.
+        local = distribute_tensor(
+            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def param_count(args: ModelArgs, *, exclude_embedding: bool = True) -> int:
+    """Parameters of ``Transformer(args)`` from the shapes alone (no model needed).
+
+    With ``exclude_embedding`` the token embedding is left out but the output head is
+    counted even when tied, since its matmul runs either way (this is the N of 6N).
+    """
+    kv_dim = args.kv_heads * args.head_dim
+    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+    mlp = 3 * args.dim * args.ffn_hidden_dim
+    per_block = attention + mlp + 2 * args.dim
+    total = args.n_layers * per_block + args.dim + args.vocab_size * args.dim
+    if not exclude_embedding and not args.tie_embeddings:
+        total += args.vocab_size * args.dim
+    return total
+
+
+def num_params(model: nn.Module, exclude_embedding: bool = True) -> int:
+    """Distinct parameters of ``model`` (global sizes for DTensors), minus the embedding.
+
+    For a tied model the shared matrix is counted once, so excluding the embedding also
+    excludes the head; use ``param_count`` for a FLOP count.
+    """
+    total = sum(p.numel() for p in model.parameters())  # parameters() is deduplicated
+    if exclude_embedding:
+        embeddings = {
+            id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)
+        }
+        total -= sum(embeddings.values())
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): ``6 N + 12 L d T``; see module doc."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len}; expected a positive int")
+    return 6 * param_count(args) + 12 * args.n_layers * args.dim * seq_len
