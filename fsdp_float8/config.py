@@ -1,0 +1,363 @@
+"""Configuration: which operand of which GEMM is cast how, and the named recipes.
+
+A linear layer runs three GEMMs (see `Gemm`) on three operands (see `Operand`). Each
+operand is cast once for its primary GEMM and possibly differently for its second use in
+backward (`*_for_grad_*` fields). A `CastConfig` says how one such cast is scaled; this
+module is the one place where those user-facing words become the strategy objects of
+`fsdp_float8.scaling` (`Float8LinearConfig.strategy`).
+
+Field names follow the ones torchao users know, so switching is a change of import.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from fsdp_float8 import scaling
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FLOAT8_DTYPES = (E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+class Operand(enum.Enum):
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+class Gemm(enum.Enum):
+    """output = input @ weight.T; grad_input = grad_output @ weight;
+    grad_weight = grad_output.T @ input."""
+
+    OUTPUT = "output"
+    GRAD_INPUT = "grad_input"
+    GRAD_WEIGHT = "grad_weight"
+
+
+# (left operand, right operand) of each GEMM, in the order they are multiplied.
+GEMM_OPERANDS: dict[Gemm, tuple[Operand, Operand]] = {
+    Gemm.OUTPUT: (Operand.INPUT, Operand.WEIGHT),
+    Gemm.GRAD_INPUT: (Operand.GRAD_OUTPUT, Operand.WEIGHT),
+    Gemm.GRAD_WEIGHT: (Operand.GRAD_OUTPUT, Operand.INPUT),
+}
+# The GEMM where an operand is used first (its "primary" cast).
+PRIMARY_GEMM: dict[Operand, Gemm] = {
+    Operand.INPUT: Gemm.OUTPUT,
+    Operand.WEIGHT: Gemm.OUTPUT,
+    Operand.GRAD_OUTPUT: Gemm.GRAD_INPUT,
+}
+# The dim of the operand's 2-D form that the GEMM contracts over: input (M, K),
+# weight (N, K), grad_output (M, N). Axiswise scales reduce over this dim.
+CONTRACTION_DIM: dict[tuple[Gemm, Operand], int] = {
+    (Gemm.OUTPUT, Operand.INPUT): -1,
+    (Gemm.OUTPUT, Operand.WEIGHT): -1,
+    (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT): -1,
+    (Gemm.GRAD_INPUT, Operand.WEIGHT): 0,
+    (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT): 0,
+    (Gemm.GRAD_WEIGHT, Operand.INPUT): 0,
+}
+
+
+class ScalingType(enum.Enum):
+    DYNAMIC = "dynamic"
+    DELAYED = "delayed"
+    STATIC = "static"
+    DISABLED = "disabled"
+
+
+class ScalingGranularity(enum.Enum):
+    TENSORWISE = "tensorwise"
+    AXISWISE = "axiswise"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastConfig:
+    """How one operand is cast for one GEMM. `target_dtype=None` means the operand's
+    default (e4m3 for input and weight, e5m2 for grad_output)."""
+
+    scaling_type: ScalingType = ScalingType.DYNAMIC
+    scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    target_dtype: torch.dtype | None = None
+    static_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        _coerce_enum(self, "scaling_type", ScalingType)
+        _coerce_enum(self, "scaling_granularity", ScalingGranularity)
+        if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
+            raise ValueError(
+                f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype; "
+                f"expected one of {FLOAT8_DTYPES} or None for the operand's default"
+            )
+        static = self.scaling_type is ScalingType.STATIC
+        if static and (self.static_scale is None or not self.static_scale > 0):
+            raise ValueError(
+                f"static scaling needs static_scale > 0, got {self.static_scale!r}; pass "
+                "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
+            )
+        if not static and self.static_scale is not None:
+            raise ValueError(
+                f"static_scale={self.static_scale} is only used with scaling_type=static, "
+                f"got scaling_type={self.scaling_type.value}; drop static_scale or make it static"
+            )
+        axiswise = self.scaling_granularity is ScalingGranularity.AXISWISE
+        if axiswise and self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
+            raise ValueError(
+                f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
+                "per operand), got scaling_granularity=axiswise; use dynamic axiswise scaling "
+                "or tensorwise granularity"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaling_type is not ScalingType.DISABLED
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedScalingConfig:
+    """Delayed scaling: the scale comes from a history of past amaxes.
+
+    scale_fn_name: "max" (max over the history) or "most_recent".
+    max_forwards_without_sync: a training forward that finds this many forwards since the
+    last `sync_float8_amax_and_scale_history` raises, so a forgotten sync cannot go on
+    silently with stale scales. Raise it for long gradient accumulation.
+    """
+
+    history_len: int = 16
+    scale_fn_name: str = "max"
+    max_forwards_without_sync: int = 64
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(f"history_len must be an int >= 1, got {self.history_len!r}")
+        if self.scale_fn_name not in ("max", "most_recent"):
+            raise ValueError(
+                f"scale_fn_name={self.scale_fn_name!r}; expected 'max' or 'most_recent'"
+            )
+        if self.max_forwards_without_sync < 1:
+            raise ValueError(
+                f"max_forwards_without_sync must be >= 1, got {self.max_forwards_without_sync}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8GemmConfig:
+    use_fast_accum: bool = False
+
+
+_OPERAND_FIELD = {
+    (Operand.INPUT, Gemm.OUTPUT): "cast_config_input",
+    (Operand.INPUT, Gemm.GRAD_WEIGHT): "cast_config_input_for_grad_weight",
+    (Operand.WEIGHT, Gemm.OUTPUT): "cast_config_weight",
+    (Operand.WEIGHT, Gemm.GRAD_INPUT): "cast_config_weight_for_grad_input",
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): "cast_config_grad_output",
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): "cast_config_grad_output_for_grad_weight",
+}
+_DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Float8LinearConfig:
+    """Everything a `Float8Linear` needs to know. `*_for_grad_*` configs default (None) to
+    the operand's primary config."""
+
+    cast_config_input: CastConfig = field(default_factory=CastConfig)
+    cast_config_input_for_grad_weight: CastConfig | None = None
+    cast_config_weight: CastConfig = field(default_factory=CastConfig)
+    cast_config_weight_for_grad_input: CastConfig | None = None
+    cast_config_grad_output: CastConfig = field(default_factory=CastConfig)
+    cast_config_grad_output_for_grad_weight: CastConfig | None = None
+    gemm_config_output: Float8GemmConfig = Float8GemmConfig(use_fast_accum=True)
+    gemm_config_grad_input: Float8GemmConfig = Float8GemmConfig()
+    gemm_config_grad_weight: Float8GemmConfig = Float8GemmConfig()
+    enable_fsdp_float8_all_gather: bool = False
+    pad_inner_dim: bool = False
+    emulate: bool = False
+    round_scales_to_power_of_2: bool = False
+    delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
+    save_input_in_float8: bool = False
+
+    def __post_init__(self) -> None:
+        for gemm, (left, right) in GEMM_OPERANDS.items():
+            if self.cast(left, gemm).enabled != self.cast(right, gemm).enabled:
+                raise ValueError(
+                    f"the {gemm.value} GEMM has {left.value} "
+                    f"{self.cast(left, gemm).scaling_type.value} but {right.value} "
+                    f"{self.cast(right, gemm).scaling_type.value}: both operands of a GEMM "
+                    "must be float8 or both high precision; disable or enable both"
+                )
+        for operand in Operand:
+            self._check_second_use(operand)
+        if self.enable_fsdp_float8_all_gather:
+            self._check_fsdp_all_gather()
+        if self.save_input_in_float8:
+            self._check_save_input_in_float8()
+
+    def _check_second_use(self, operand: Operand) -> None:
+        first = self.cast(operand, PRIMARY_GEMM[operand])
+        second = self.cast(operand, self.second_gemm(operand))
+        stateful = (ScalingType.DELAYED, ScalingType.STATIC)
+        if (first.scaling_type in stateful or second.scaling_type in stateful) and (
+            second.enabled and first.scaling_type is not second.scaling_type
+        ):
+            raise ValueError(
+                f"{operand.value} is {first.scaling_type.value} for its first GEMM but "
+                f"{second.scaling_type.value} for {self.second_gemm(operand).value}; "
+                "delayed and static scaling keep one scale per operand, so both uses must "
+                "share the scaling type (or disable the second use)"
+            )
+
+    def _check_fsdp_all_gather(self) -> None:
+        for gemm in (Gemm.OUTPUT, Gemm.GRAD_INPUT):
+            cfg = self.cast(Operand.WEIGHT, gemm)
+            if not cfg.enabled or cfg.scaling_granularity is not ScalingGranularity.TENSORWISE:
+                raise ValueError(
+                    "enable_fsdp_float8_all_gather=True needs a float8 tensorwise weight for "
+                    f"both weight GEMMs, but the weight for {gemm.value} is "
+                    f"{cfg.scaling_type.value}/{cfg.scaling_granularity.value}; use the "
+                    "'tensorwise' recipe or set enable_fsdp_float8_all_gather=False"
+                )
+        fwd = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
+        bwd = self.cast(Operand.WEIGHT, Gemm.GRAD_INPUT)
+        if self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) != self.float8_dtype(
+            Operand.WEIGHT, Gemm.GRAD_INPUT
+        ) or (fwd.scaling_type is not bwd.scaling_type):
+            raise ValueError(
+                "enable_fsdp_float8_all_gather=True gathers one float8 weight for both "
+                "weight GEMMs; give cast_config_weight_for_grad_input the same dtype and "
+                "scaling type as cast_config_weight (or leave it None)"
+            )
+
+    def _check_save_input_in_float8(self) -> None:
+        first = self.cast(Operand.INPUT, Gemm.OUTPUT)
+        second = self.cast(Operand.INPUT, Gemm.GRAD_WEIGHT)
+        same = self.float8_dtype(Operand.INPUT, Gemm.OUTPUT) == self.float8_dtype(
+            Operand.INPUT, Gemm.GRAD_WEIGHT
+        )
+        tensorwise = all(
+            c.enabled and c.scaling_granularity is ScalingGranularity.TENSORWISE
+            for c in (first, second)
+        )
+        if not (same and tensorwise):
+            raise ValueError(
+                "save_input_in_float8=True reuses the forward's float8 input in backward, "
+                "which needs input tensorwise with the same dtype for output and grad_weight; "
+                "use the 'tensorwise' recipe or set save_input_in_float8=False"
+            )
+
+    @staticmethod
+    def second_gemm(operand: Operand) -> Gemm:
+        return next(
+            g for g, ops in GEMM_OPERANDS.items() if operand in ops and g != PRIMARY_GEMM[operand]
+        )
+
+    def cast(self, operand: Operand, gemm: Gemm) -> CastConfig:
+        cfg = getattr(self, _OPERAND_FIELD[(operand, gemm)])
+        if cfg is None:
+            cfg = getattr(self, _OPERAND_FIELD[(operand, PRIMARY_GEMM[operand])])
+        return cfg
+
+    def float8_dtype(self, operand: Operand, gemm: Gemm) -> torch.dtype:
+        return self.cast(operand, gemm).target_dtype or _DEFAULT_DTYPE[operand]
+
+    def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
+        return getattr(self, f"gemm_config_{gemm.value}")
+
+    def strategy(self, operand: Operand, gemm: Gemm) -> scaling.ScalingStrategy | None:
+        """The scaling strategy of one cast; None when the cast is disabled. The only place
+        where `ScalingType`/`ScalingGranularity` words are turned into behaviour."""
+        cfg = self.cast(operand, gemm)
+        if cfg.scaling_type is ScalingType.DISABLED:
+            return None
+        if cfg.scaling_type is ScalingType.STATIC:
+            return scaling.StaticScaling(scale=float(cfg.static_scale))
+        if cfg.scaling_type is ScalingType.DELAYED:
+            d = self.delayed_scaling_config
+            return scaling.DelayedScaling(
+                history_len=d.history_len,
+                scale_fn_name=d.scale_fn_name,
+                power_of_2=self.round_scales_to_power_of_2,
+            )
+        granularity = (
+            scaling.Tensorwise()
+            if cfg.scaling_granularity is ScalingGranularity.TENSORWISE
+            else scaling.Axiswise()
+        )
+        return scaling.DynamicScaling(
+            granularity=granularity, power_of_2=self.round_scales_to_power_of_2
+        )
+
+    def scaling_types(self) -> set[ScalingType]:
+        return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}
+
+    @classmethod
+    def from_recipe_name(cls, name: str, **overrides) -> Float8LinearConfig:
+        """Named recipes: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'."""
+        recipes = {
+            "tensorwise": _tensorwise,
+            "rowwise": _rowwise,
+            "rowwise_with_gw_hp": _rowwise_with_gw_hp,
+        }
+        if name not in recipes:
+            raise ValueError(f"unknown float8 recipe {name!r}; expected one of {sorted(recipes)}")
+        return replace(recipes[name](), **overrides) if overrides else recipes[name]()
+
+    @classmethod
+    def tensorwise(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name("tensorwise", **overrides)
+
+    @classmethod
+    def rowwise(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name("rowwise", **overrides)
+
+    @classmethod
+    def rowwise_with_gw_hp(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name("rowwise_with_gw_hp", **overrides)
+
+
+def _tensorwise() -> Float8LinearConfig:
+    return Float8LinearConfig()
+
+
+def _rowwise() -> Float8LinearConfig:
+    # Every cast per row along the GEMM's contraction dim; e4m3 everywhere (the row scales
+    # give grad_output the range that e5m2 would otherwise buy); power-of-2 scales so the
+    # scale multiply is exact.
+    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
+    return Float8LinearConfig(
+        cast_config_input=axis,
+        cast_config_weight=axis,
+        cast_config_grad_output=axis,
+        round_scales_to_power_of_2=True,
+    )
+
+
+def _rowwise_with_gw_hp() -> Float8LinearConfig:
+    # Forward and grad_input axiswise, except the weight for grad_input which is tensorwise
+    # (its contraction dim is the one FSDP shards); grad_weight stays in high precision.
+    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
+    off = CastConfig(scaling_type=ScalingType.DISABLED)
+    return Float8LinearConfig(
+        cast_config_input=axis,
+        cast_config_input_for_grad_weight=off,
+        cast_config_weight=axis,
+        cast_config_weight_for_grad_input=CastConfig(target_dtype=E4M3),
+        cast_config_grad_output=axis,
+        cast_config_grad_output_for_grad_weight=off,
+        round_scales_to_power_of_2=True,
+    )
+
+
+def _coerce_enum(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, enum_cls):
+        return
+    try:
+        object.__setattr__(obj, name, enum_cls(value))
+    except ValueError:
+        raise ValueError(
+            f"{name}={value!r} is not valid; expected one of {[e.value for e in enum_cls]}"
+        ) from None

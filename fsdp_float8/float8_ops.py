@@ -1,0 +1,252 @@
+"""Ops on Float8Tensor: one table filled by `@implements`, and `scaled_mm`.
+
+Mental model: a Float8Tensor is (data, scale). Shape ops apply to the data and move the
+scale along (a 0-d tensorwise scale stays as is; an axiswise scale, which has the data's
+rank with size 1 on the reduced dim, is transposed/sliced/reshaped with it). Matmuls go
+through `scaled_mm`, which is either `torch._scaled_mm` or its high-precision emulation.
+Any op not in the table raises, naming the op: we never silently dequantize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_float8.float8_tensor import Float8Tensor
+
+aten = torch.ops.aten
+FLOAT8_OPS: dict[object, Callable] = {}
+
+
+def implements(*ops):
+    def decorator(fn):
+        for op in ops:
+            if op in FLOAT8_OPS:
+                raise RuntimeError(f"{op} already has a Float8Tensor implementation")
+            FLOAT8_OPS[op] = fn
+        return fn
+
+    return decorator
+
+
+def _rewrap(t: Float8Tensor, data: torch.Tensor, scale: torch.Tensor | None = None):
+    return Float8Tensor(data, t._scale if scale is None else scale, t._orig_dtype, t._emulate)
+
+
+def _tensorwise(t: Float8Tensor) -> bool:
+    return t._scale.numel() == 1 and t._scale.dim() == 0
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    t = args[0]
+    return _rewrap(t, func(t._data), func(t._scale))
+
+
+@implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    t = args[0]
+    return _rewrap(t, func(t._data, **kwargs), t._scale.clone())
+
+
+@implements(aten.t.default, aten.transpose.int)
+def _transpose(func, args, kwargs):
+    t = args[0]
+    if _tensorwise(t):
+        return _rewrap(t, func(t._data, *args[1:]))
+    return _rewrap(t, func(t._data, *args[1:]), func(t._scale, *args[1:]))
+
+
+@implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    t, shape = args[0], list(args[1])
+    data = func(t._data, shape)
+    if _tensorwise(t):
+        return _rewrap(t, data)
+    new_shape, scale = list(data.shape), t._scale
+    if scale.shape[-1] == 1 and new_shape[-1] == t._data.shape[-1]:
+        return _rewrap(t, data, scale.reshape(new_shape[:-1] + [1]))
+    if scale.numel() == scale.shape[-1] and new_shape[-1] == t._data.shape[-1]:
+        return _rewrap(t, data, scale.reshape([1] * (len(new_shape) - 1) + [scale.shape[-1]]))
+    raise ValueError(
+        f"cannot view an axiswise Float8Tensor of shape {tuple(t.shape)} (scale "
+        f"{tuple(scale.shape)}) as {shape}: only views that keep the last dim move the "
+        "scale along; dequantize first"
+    )
+
+
+def _slice_scale(t: Float8Tensor, dim: int, start, end, step=1) -> torch.Tensor:
+    if _tensorwise(t) or t._scale.shape[dim] == 1:
+        return t._scale
+    return aten.slice.Tensor(t._scale, dim, start, end, step)
+
+
+@implements(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    t, dim = args[0], (args[1] if len(args) > 1 else 0)
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    return _rewrap(t, func(*((t._data,) + tuple(args[1:]))), _slice_scale(t, dim, start, end, step))
+
+
+@implements(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func, args, kwargs):
+    t = args[0]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    chunks = func(t._data, *args[1:], **kwargs)
+    out, start = [], 0
+    for c in chunks:
+        size = c.shape[dim]
+        out.append(_rewrap(t, c, _slice_scale(t, dim, start, start + size)))
+        start += size
+    return out
+
+
+@implements(aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # FSDP2 calls this on the all-gathered weight to cut the padding of uneven shards.
+    t, size = args[0], list(args[1])
+    data = func(t._data, *args[1:], **kwargs)
+    if _tensorwise(t):
+        return _rewrap(t, data)
+    scale = t._scale
+    if scale.dim() == 2 and scale.shape[1] == 1 and t._data.is_contiguous():
+        return _rewrap(t, data, scale[: size[0]])
+    raise ValueError(
+        f"as_strided on an axiswise Float8Tensor with scale {tuple(scale.shape)} is only "
+        "supported for per-row scales of a contiguous tensor"
+    )
+
+
+@implements(aten.cat.default)
+def _cat(func, args, kwargs):
+    tensors = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    first = tensors[0]
+    if not all(isinstance(x, Float8Tensor) for x in tensors):
+        raise TypeError("cat of Float8Tensor with plain tensors; dequantize first")
+    if all(_tensorwise(x) for x in tensors):
+        if any(x._scale is not first._scale for x in tensors[1:]):
+            raise ValueError(
+                "cat of tensorwise Float8Tensors with different scale tensors would mix "
+                "scales; rescale to one scale first"
+            )
+        return _rewrap(first, func([x._data for x in tensors], dim))
+    scale = func([x._scale for x in tensors], dim)
+    return _rewrap(first, func([x._data for x in tensors], dim), scale)
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    t = args[0]
+    dtype = kwargs.pop("dtype", None)
+    if dtype is not None and dtype.is_floating_point and dtype.itemsize == 1:
+        raise TypeError(f"cannot .to({dtype}) a Float8Tensor; its data already is float8")
+    data = func(t._data, **kwargs)
+    scale = func(t._scale, **kwargs)
+    return Float8Tensor(data, scale, dtype or t._orig_dtype, t._emulate)
+
+
+@implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, Float8Tensor) and isinstance(src, Float8Tensor):
+        dst._data.copy_(src._data)
+        dst._scale.copy_(src._scale)
+        return dst
+    if isinstance(src, Float8Tensor):
+        return dst.copy_(src.dequantize())
+    raise TypeError(
+        "copying high-precision values into a Float8Tensor would need a scale; "
+        "build a new Float8Tensor with hp_to_float8 instead"
+    )
+
+
+@implements(aten.is_same_size.default)
+def _is_same_size(func, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+@implements(aten.mm.default)
+def _mm(func, args, kwargs):
+    a, b = args
+    _require_float8(a, b, "mm")
+    return scaled_mm(a, b, out_dtype=a._orig_dtype, emulate=a._emulate)
+
+
+@implements(aten.addmm.default)
+def _addmm(func, args, kwargs):
+    bias, a, b = args
+    _require_float8(a, b, "addmm")
+    out = scaled_mm(a, b, out_dtype=a._orig_dtype, emulate=a._emulate)
+    return out + bias.to(out.dtype)
+
+
+def _require_float8(a, b, name: str) -> None:
+    if not (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)):
+        raise TypeError(
+            f"{name} needs both operands as Float8Tensor, got {type(a).__name__} and "
+            f"{type(b).__name__}; cast the other operand with hp_to_float8"
+        )
+
+
+def _gemm_scales(a: Float8Tensor, b: Float8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """inv_scales shaped as torch._scaled_mm wants: both 0-d, or (M, 1) and (1, N)."""
+    m, n = a.shape[0], b.shape[1]
+    inv_a, inv_b = a.inv_scale, b.inv_scale
+    if inv_a.numel() == 1 and inv_b.numel() == 1:
+        return inv_a.reshape(()), inv_b.reshape(())
+    if tuple(inv_a.shape) not in ((m, 1), ()) or tuple(inv_b.shape) not in ((1, n), ()):
+        raise ValueError(
+            f"scaled_mm needs a's scale per row (shape ({m}, 1)) and b's per column "
+            f"(shape (1, {n})), got {tuple(inv_a.shape)} and {tuple(inv_b.shape)}: each "
+            "operand must be scaled along the GEMM's contraction dim"
+        )
+    inv_a = inv_a.expand(m, 1).contiguous()
+    inv_b = inv_b.expand(1, n).contiguous()
+    return inv_a, inv_b
+
+
+def _pad_rows(data: torch.Tensor, pad: int, dim: int) -> torch.Tensor:
+    # float8 zero is the all-zero byte, so pad the uint8 view.
+    as_bytes = data.view(torch.uint8)
+    padding = (0, pad) if dim == 1 else (0, 0, 0, pad)
+    return F.pad(as_bytes, padding).view(data.dtype)
+
+
+def scaled_mm(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    *,
+    out_dtype: torch.dtype,
+    emulate: bool = False,
+    use_fast_accum: bool = False,
+    pad_inner_dim: bool = False,
+) -> torch.Tensor:
+    """a (M, K) @ b (K, N) from float8 operands. Lays out a row-major and b column-major
+    (what the hardware GEMM needs), pads K to a multiple of 16 when asked, and either calls
+    `torch._scaled_mm` or emulates it in float32."""
+    inv_a, inv_b = _gemm_scales(a, b)
+    a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
+    b_data = b._data if b._data.t().is_contiguous() else b._data.t().contiguous().t()
+    k = a_data.shape[1]
+    if k % 16 != 0:
+        if pad_inner_dim:
+            pad = 16 - k % 16
+            a_data = _pad_rows(a_data, pad, dim=1)
+            b_data = _pad_rows(b_data.t(), pad, dim=1).t()
+        elif not emulate and a_data.is_cuda:
+            raise ValueError(
+                f"float8 GEMM inner dim {k} is not a multiple of 16, which torch._scaled_mm "
+                "needs on CUDA; set Float8LinearConfig(pad_inner_dim=True) or use a layer "
+                "whose dims are multiples of 16"
+            )
+    if emulate:
+        out = (a_data.to(torch.float32) * inv_a) @ (b_data.to(torch.float32) * inv_b)
+        return out.to(out_dtype)
+    return torch._scaled_mm(
+        a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )

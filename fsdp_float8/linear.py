@@ -1,0 +1,268 @@
+"""Float8Linear: a drop-in nn.Linear whose three GEMMs run in float8.
+
+One autograd function runs them all. Each operand is cast once per GEMM it enters, as
+`Float8LinearConfig` says (a cast shared by two GEMMs is done once and transposed); a
+disabled cast leaves that GEMM in high precision. A weight that arrives already as a
+`Float8Tensor` (the FSDP2 float8 all-gather) is used as it is, in forward and backward.
+
+Memory: backward keeps the weight parameter itself (FSDP2 frees and re-gathers it around
+backward as it does for bf16) and the high-precision input, or the float8 input with
+`save_input_in_float8=True`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from fsdp_float8.config import (
+    CONTRACTION_DIM,
+    GEMM_OPERANDS,
+    PRIMARY_GEMM,
+    Float8LinearConfig,
+    Gemm,
+    Operand,
+    ScalingGranularity,
+    ScalingType,
+)
+from fsdp_float8.float8_ops import scaled_mm
+from fsdp_float8.float8_tensor import Float8Tensor
+from fsdp_float8.scaling import (
+    DelayedScaling,
+    ScalingStrategy,
+    Tensorwise,
+    cast_to_float8_data,
+)
+
+_CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
+
+
+@dataclass(frozen=True)
+class CastPlan:
+    """The resolved casts of one layer, computed once from its config."""
+
+    strategies: dict[tuple[Operand, Gemm], ScalingStrategy | None]
+    dtypes: dict[tuple[Operand, Gemm], torch.dtype]
+    fast_accum: dict[Gemm, bool]
+    emulate: bool
+    pad_inner_dim: bool
+
+    @classmethod
+    def from_config(cls, config: Float8LinearConfig) -> CastPlan:
+        return cls(
+            strategies={k: config.strategy(*k) for k in _CASTS},
+            dtypes={k: config.float8_dtype(*k) for k in _CASTS},
+            fast_accum={g: config.gemm_config(g).use_fast_accum for g in Gemm},
+            emulate=config.emulate,
+            pad_inner_dim=config.pad_inner_dim,
+        )
+
+    def high_precision(self, gemm: Gemm) -> bool:
+        return self.strategies[(GEMM_OPERANDS[gemm][0], gemm)] is None
+
+    def shares_cast(self, operand: Operand, first: Gemm, second: Gemm) -> bool:
+        """True when the second use can reuse the first cast (same tensorwise scale, dtype)."""
+        s1, s2 = self.strategies[(operand, first)], self.strategies[(operand, second)]
+        tensorwise = s1 is not None and isinstance(s1.granularity, Tensorwise)
+        same_dtype = self.dtypes[(operand, first)] == self.dtypes[(operand, second)]
+        return tensorwise and s1 == s2 and same_dtype
+
+
+def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> torch.Tensor:
+    """Cast a 2-D operand for one GEMM; returns hp unchanged when that GEMM is high precision."""
+    strategy = plan.strategies[(operand, gemm)]
+    if strategy is None:
+        return hp
+    dtype = plan.dtypes[(operand, gemm)]
+    scale = strategy.scale(hp, CONTRACTION_DIM[(gemm, operand)], dtype, states.get(operand))
+    return Float8Tensor(cast_to_float8_data(hp, scale, dtype), scale, hp.dtype, plan.emulate)
+
+
+def _gemm(left, right, gemm: Gemm, plan: CastPlan, out_dtype: torch.dtype) -> torch.Tensor:
+    if plan.high_precision(gemm):
+        return torch.mm(left.to(out_dtype), right.to(out_dtype))
+    return scaled_mm(
+        left,
+        right,
+        out_dtype=out_dtype,
+        emulate=plan.emulate,
+        use_fast_accum=plan.fast_accum[gemm],
+        # the token dim (contraction of grad_weight) is not the user's to choose: always pad
+        pad_inner_dim=plan.pad_inner_dim or gemm is Gemm.GRAD_WEIGHT,
+    )
+
+
+def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict):
+    if isinstance(weight, Float8Tensor):
+        return weight  # pre-cast by the FSDP2 float8 all-gather
+    return cast_operand(weight, Operand.WEIGHT, gemm, plan, states)
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, plan: CastPlan, states: dict):
+        x2 = x.reshape(-1, x.shape[-1])
+        x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
+        w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
+        out = _gemm(x_fp8, w_fp8.t(), Gemm.OUTPUT, plan, x.dtype)
+        keep_fp8 = states.get("save_input_in_float8", False)
+        ctx.save_for_backward(x_fp8 if keep_fp8 else x2, weight)
+        ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_saved, weight = ctx.saved_tensors
+        plan, states = ctx.plan, ctx.states
+        go2 = grad_out.reshape(-1, grad_out.shape[-1])
+        go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
+        w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
+        grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype)
+        if plan.shares_cast(Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT):
+            go_gw = go_fp8
+        else:
+            go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
+        if isinstance(x_saved, Float8Tensor):
+            x_gw = x_saved
+        else:
+            x_gw = cast_operand(x_saved, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+        grad_w = _gemm(go_gw.t(), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
+        return grad_x.reshape(ctx.x_shape), grad_w, None, None
+
+
+def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
+    if config.pad_inner_dim or (in_features % 16 == 0 and out_features % 16 == 0):
+        return
+    raise ValueError(
+        f"Float8Linear({in_features}, {out_features}): float8 GEMMs contract over both dims, "
+        "which must be multiples of 16; set Float8LinearConfig(pad_inner_dim=True) or keep "
+        "this layer in high precision (the default module filter skips it)"
+    )
+
+
+def _short(cfg) -> str:
+    if cfg.scaling_type is ScalingType.DISABLED:
+        return "hp"
+    gran = "tw" if cfg.scaling_granularity is ScalingGranularity.TENSORWISE else "aw"
+    return f"{cfg.scaling_type.value[:3]}_{gran}"
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear with float8 GEMMs. Build it with `from_float` (shares the parameters) or
+    `convert_to_float8_training`."""
+
+    def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.config = config or Float8LinearConfig()
+        _check_dims(self.in_features, self.out_features, self.config)
+        self.plan = CastPlan.from_config(self.config)
+        self._forwards_since_sync = 0
+        self.delayed_ready = False  # host-side mirror of fp8_initialized_*, no sync to read
+        self._register_delayed_buffers()
+        self.register_load_state_dict_post_hook(_refresh_delayed_ready)
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False, config=config)
+        new.weight = mod.weight  # shared, not copied
+        new.bias = mod.bias
+        new._register_delayed_buffers(device=mod.weight.device)
+        return new
+
+    def delayed_operands(self) -> list[Operand]:
+        return [
+            op
+            for op in Operand
+            if isinstance(self.plan.strategies[(op, _primary(op))], DelayedScaling)
+        ]
+
+    def _register_delayed_buffers(self, device: torch.device | None = None) -> None:
+        n = self.config.delayed_scaling_config.history_len
+        for op in self.delayed_operands():
+            f32 = {"dtype": torch.float32, "device": device}
+            self.register_buffer(f"fp8_amax_{op.value}", torch.zeros((), **f32))
+            self.register_buffer(f"fp8_amax_history_{op.value}", torch.zeros(n, **f32))
+            self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), **f32))
+            self.register_buffer(
+                f"fp8_initialized_{op.value}", torch.zeros((), dtype=torch.bool, device=device)
+            )
+
+    def mark_delayed_synced(self) -> None:
+        self._forwards_since_sync = 0
+        self.delayed_ready = True
+
+    def delayed_state(self, op: Operand) -> SimpleNamespace:
+        return SimpleNamespace(
+            amax=getattr(self, f"fp8_amax_{op.value}"),
+            amax_history=getattr(self, f"fp8_amax_history_{op.value}"),
+            scale=getattr(self, f"fp8_scale_{op.value}"),
+            initialized=getattr(self, f"fp8_initialized_{op.value}"),
+        )
+
+    def _apply(self, fn, recurse=True):
+        # delayed-scaling buffers stay float32 through .to(bfloat16) / .half()
+        saved = {n: b for n, b in self._buffers.items() if n.startswith("fp8_")}
+        out = super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = new.to(old.dtype)
+        return out
+
+    def _states(self) -> dict:
+        states: dict = {op: self.delayed_state(op) for op in self.delayed_operands()}
+        if states and self.training and torch.is_grad_enabled():
+            self._forwards_since_sync += 1
+            limit = self.config.delayed_scaling_config.max_forwards_without_sync
+            if self._forwards_since_sync > limit:
+                raise RuntimeError(
+                    f"{self._forwards_since_sync} training forwards since the last "
+                    "sync_float8_amax_and_scale_history(model): delayed scales are stale. "
+                    "Call it once after each optimizer step (or raise "
+                    "DelayedScalingConfig.max_forwards_without_sync for long accumulation)"
+                )
+        if self.config.save_input_in_float8:
+            states["save_input_in_float8"] = True
+        return states
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        with torch.autocast(x.device.type, enabled=False):
+            out = _Float8LinearFn.apply(x, self.weight, self.plan, self._states())
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        parts = []
+        for op in Operand:
+            first = c.cast(op, _primary(op))
+            second = c.cast(op, c.second_gemm(op))
+            text = f"{_short(first)}:{_dtype_name(c.float8_dtype(op, _primary(op)))}"
+            if second != first:
+                text += f"/{_short(second)}"
+            parts.append(f"{op.value}={text}")
+        fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
+        return f"{super().extra_repr()}, {', '.join(parts)}{fsdp}"
+
+
+def _refresh_delayed_ready(module: Float8Linear, incompatible_keys) -> None:
+    # one host read at load time, so the forward never has to read the flag
+    flags = [module.delayed_state(op).initialized for op in module.delayed_operands()]
+    module.delayed_ready = bool(flags) and all(bool(f) for f in flags)
+
+
+def _primary(op: Operand) -> Gemm:
+    return PRIMARY_GEMM[op]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.float8_", "")

@@ -1,0 +1,44 @@
+"""Numerics helpers shared by tests and scripts: SQNR and saturation/underflow counts.
+
+SQNR_DB holds the named thresholds every test uses (measured on randn on this machine, with
+the field's usual bars for a linear layer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_float8.scaling import float8_max
+
+SQNR_DB = {
+    "cast_e4m3": 25.0,
+    "cast_e5m2": 20.0,
+    "gemm_e4m3": 25.0,
+    "linear_output": 18.0,
+    "linear_grad_input": 18.0,
+    "linear_grad_weight": 17.0,
+}
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20*log10(|ref| / |ref - approx|)."""
+    ref = reference.detach().to(torch.float64)
+    err = ref - approx.detach().to(torch.float64)
+    noise = err.norm()
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / noise))
+
+
+def saturation_fraction(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype):
+    """Fraction of elements whose scaled magnitude exceeds the float8 max (clamped)."""
+    scaled = hp.detach().to(torch.float32).abs() * scale
+    return (scaled > float8_max(float8_dtype)).float().mean()
+
+
+def underflow_fraction(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype):
+    """Fraction of non-zero elements that become zero in float8."""
+    x = hp.detach().to(torch.float32)
+    fp8 = (x * scale).clamp(-float8_max(float8_dtype), float8_max(float8_dtype))
+    zeroed = (fp8.to(float8_dtype).to(torch.float32) == 0) & (x != 0)
+    return zeroed.float().mean()

@@ -1,0 +1,144 @@
+"""How a tensor is scaled: the scale math once, and one small frozen class per strategy.
+
+Scale math (the house rule): amax in float32, floored at EPS, `fp8_max / amax` divided in
+float64 (so eager and torch.compile agree bit for bit), optionally rounded down to a power
+of two, then stored as float32. Casting multiplies by the scale and saturates at fp8_max.
+
+Granularity says what one scale covers: `Tensorwise` (one 0-d scale) or `Axiswise` (one
+scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts).
+Strategies say where the scale comes from:
+- `DynamicScaling`: from the tensor's own amax, now.
+- `DelayedScaling`: from a history of past amaxes kept in the module's buffers
+  (`DelayedState`); the current amax is recorded for the next sync.
+- `StaticScaling`: a fixed user-given number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+EPS = 1e-12
+
+
+def float8_max(float8_dtype: torch.dtype) -> float:
+    return float(torch.finfo(float8_dtype).max)
+
+
+def amax_to_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool = False
+) -> torch.Tensor:
+    """fp8_max / amax as float32, computed in float64; amax == 0 gives a large finite scale."""
+    amax64 = amax.to(torch.float64).clamp(min=EPS)
+    scale = (float8_max(float8_dtype) / amax64).to(torch.float32)
+    if power_of_2:
+        scale = round_down_to_power_of_2(scale)
+    return scale
+
+
+def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Exact: keep the sign and exponent bits of the float32, zero the mantissa."""
+    bits = scale.contiguous().view(torch.int32) & torch.tensor(-(1 << 23), dtype=torch.int32)
+    return bits.view(torch.float32)
+
+
+def cast_to_float8_data(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+) -> torch.Tensor:
+    """Saturating cast: clamp(hp * scale) to the float8 range, then convert."""
+    fmax = float8_max(float8_dtype)
+    scaled = hp.to(torch.float32) * scale
+    return scaled.clamp(min=-fmax, max=fmax).to(float8_dtype)
+
+
+class Granularity(Protocol):
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Tensorwise:
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        return hp.abs().amax().to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Axiswise:
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        return hp.abs().amax(dim=dim, keepdim=True).to(torch.float32)
+
+
+class DelayedState(Protocol):
+    """What delayed scaling keeps per operand (buffers of a Float8Linear)."""
+
+    amax: torch.Tensor  # () float32: max amax seen since the last sync
+    amax_history: torch.Tensor  # (history_len,) float32, most recent first
+    scale: torch.Tensor  # () float32: scale used until the next sync
+    initialized: torch.Tensor  # () bool: a sync has happened
+
+
+class ScalingStrategy(Protocol):
+    def scale(
+        self,
+        hp: torch.Tensor,
+        dim: int,
+        float8_dtype: torch.dtype,
+        state: DelayedState | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DynamicScaling:
+    granularity: Granularity = Tensorwise()
+    power_of_2: bool = False
+
+    def scale(self, hp, dim, float8_dtype, state=None):
+        amax = self.granularity.amax(hp, dim)
+        return amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Tensorwise only. Before the first sync there is no history: the operand is scaled by
+    its own amax (as dynamic scaling would), which is recorded like any other."""
+
+    history_len: int = 16
+    scale_fn_name: str = "max"
+    power_of_2: bool = False
+    granularity: Granularity = Tensorwise()
+
+    def scale(self, hp, dim, float8_dtype, state=None):
+        if state is None:
+            raise ValueError("delayed scaling needs the module's DelayedState; got None")
+        amax = hp.detach().abs().amax().to(torch.float32)
+        self.record(state, amax)
+        fresh = amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+        return torch.where(state.initialized, state.scale, fresh)
+
+    @staticmethod
+    def record(state: DelayedState, amax: torch.Tensor) -> None:
+        state.amax.copy_(torch.maximum(state.amax, amax))
+
+    def update(self, state: DelayedState, float8_dtype: torch.dtype) -> None:
+        """Roll the history with the (already cross-rank reduced) amax, refresh the scale."""
+        history = torch.roll(state.amax_history, 1)
+        history[0] = state.amax
+        state.amax_history.copy_(history)
+        source = history.amax() if self.scale_fn_name == "max" else history[0]
+        state.scale.copy_(amax_to_scale(source, float8_dtype, power_of_2=self.power_of_2))
+        state.amax.zero_()
+        state.initialized.fill_(True)
+
+
+@dataclass(frozen=True)
+class StaticScaling:
+    scale_value: float = 1.0
+    granularity: Granularity = Tensorwise()
+
+    def __init__(self, scale: float, granularity: Granularity = Tensorwise()):
+        object.__setattr__(self, "scale_value", float(scale))
+        object.__setattr__(self, "granularity", granularity)
+
+    def scale(self, hp, dim, float8_dtype, state=None):
+        return torch.tensor(self.scale_value, dtype=torch.float32, device=hp.device)

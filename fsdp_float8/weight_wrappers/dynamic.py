@@ -1,0 +1,43 @@
+"""Dynamically scaled weight: the scale comes from the weight's current amax.
+
+Preferred source: the scale stored by `precompute_float8_dynamic_scale_for_fsdp` after the
+last optimizer step (one batched collective for the whole model). It is trusted only while
+the weight is unchanged since (the inner tensor's version counter), so a forgotten
+precompute costs a collective, never a stale scale. Otherwise: the local shard's amax,
+all-reduced over the shard mesh (one small collective for this weight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_float8.amax_sync import all_reduce_amax_
+from fsdp_float8.scaling import amax_to_scale
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, local_amax
+
+
+class DynamicFloat8Weight(Float8WeightWrapper):
+    _precomputed_scale: torch.Tensor | None = None
+    _precomputed_version: int = -1
+
+    def _copy_state_to(self, new) -> None:
+        new._precomputed_scale = self._precomputed_scale
+        new._precomputed_version = self._precomputed_version
+
+    def set_precomputed_scale(self, scale: torch.Tensor) -> None:
+        self._precomputed_scale = scale
+        self._precomputed_version = self._tensor._version
+
+    def has_fresh_precomputed_scale(self) -> bool:
+        return (
+            self._precomputed_scale is not None
+            and self._precomputed_version == self._tensor._version
+        )
+
+    def float8_scale(self, mesh, module) -> torch.Tensor:
+        if self.has_fresh_precomputed_scale():
+            return self._precomputed_scale
+        amax = all_reduce_amax_(local_amax(self._tensor).reshape(1), mesh)[0]
+        return amax_to_scale(
+            amax, self.float8_dtype, power_of_2=self._config.round_scales_to_power_of_2
+        )
