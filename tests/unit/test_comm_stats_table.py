@@ -1,0 +1,53 @@
+"""CollectiveCounter's op table matches the ops this torch registers at the dispatcher.
+
+If a torch upgrade adds a collective op, or renames a schema argument, this fails and says
+which entry of ``fsdp_float8.comm_stats._SPECS`` to add or fix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives  # noqa: F401  registers _c10d_functional ops
+
+from fsdp_float8 import comm_stats
+
+
+def _registered_ops() -> dict[str, torch._C.FunctionSchema]:
+    ops = {}
+    for full in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = full.partition("::")
+        if namespace not in comm_stats._NAMESPACES:
+            continue
+        name, _, overload = rest.partition(".")
+        packet = getattr(getattr(torch.ops, namespace), name)
+        ops[f"{namespace}::{name}"] = getattr(packet, overload or "default")._schema
+    return ops
+
+
+def test_every_registered_collective_is_classified():
+    ops = _registered_ops()
+    assert "c10d::_allgather_base_" in ops and "_c10d_functional::all_reduce" in ops
+    known = comm_stats._SPECS.keys() | comm_stats._NOT_COLLECTIVES
+    missing = sorted(set(ops) - known)
+    assert not missing, f"add these ops to comm_stats._SPECS (or _NOT_COLLECTIVES): {missing}"
+
+
+def test_spec_argument_names_exist_in_schemas():
+    ops = _registered_ops()
+    wrong = []
+    for name, spec in comm_stats._SPECS.items():
+        if name not in ops:
+            continue  # not registered by this build (e.g. a backend-specific op)
+        arg_names = {a.name for a in ops[name].arguments}
+        for field in ("input_arg", "reduce_arg", "group_arg"):
+            value = getattr(spec, field)
+            if value is not None and value not in arg_names:
+                wrong.append(f"{name}.{field}={value!r} not in {sorted(arg_names)}")
+    assert not wrong, "fix comm_stats._SPECS:\n" + "\n".join(wrong)
+
+
+def test_unused_counter_is_empty():
+    counter = comm_stats.CollectiveCounter()
+    with counter:
+        torch.ones(3).sum()  # not a collective
+    assert counter.records == [] and counter.summary() == {} and counter.count() == 0
