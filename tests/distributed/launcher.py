@@ -213,11 +213,11 @@ def _timeout_error(
         path = job_dir / f"stack{rank}.txt"
         text = path.read_text(errors="replace").strip() if path.exists() else ""
         stacks.append(f"\n----- rank {rank} Python stacks -----\n{text or '(no stack dump)'}")
-    done = sorted(reports)
+    returned = [rank for rank in stuck if rank in reports]
+    exiting = f" (ranks {returned} had returned but not exited)" if returned else ""
     message = (
         f"{_fn_name(fn)} did not finish within timeout_s={timeout_s:g} s; "
-        f"ranks still running: {stuck}, ranks that reported a result: {done}. "
-        "Every rank was killed. "
+        f"ranks still running: {stuck}{exiting}. Every rank was killed. "
         "The usual cause is a collective that not every rank called (or called with "
         "mismatched sizes); the stacks below show where each stuck rank waits. "
         "If the job is merely slow, raise timeout_s." + "".join(stacks)

@@ -76,5 +76,7 @@ def test_deadlock_times_out_quickly(tmp_path):
     assert elapsed < 25, f"the hung job took {elapsed:.1f} s to fail"
     message = str(info.value)
     assert "ranks still running: [0, 1]" in message
-    # the stack dump shows where rank 0 is stuck
-    assert "_only_rank_0_collects" in message
+    # The stack dump shows where rank 0 is stuck; on a heavily loaded machine a rank may
+    # still be importing torch after 10 s, and then there is no dump to show.
+    assert "rank 0 Python stacks" in message
+    assert "_only_rank_0_collects" in message or "(no stack dump)" in message
