@@ -44,7 +44,8 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> int:
             mesh = w.device_mesh if isinstance(w, DTensor) else None
             by_mesh.setdefault(mesh, []).append((local, m))
     for mesh, items in by_mesh.items():
-        inner = [w._tensor for w, _ in items]
+        # an empty shard (fewer rows than ranks) has no inf-norm: it contributes amax 0
+        inner = [w._tensor if w._tensor.numel() else w._tensor.new_zeros(1) for w, _ in items]
         amaxes = reduce_amaxes(torch._foreach_norm(inner, float("inf")), mesh)
         for (w, m), amax in zip(items, amaxes.unbind(), strict=True):
             pow2 = m.config.round_scales_to_power_of_2

@@ -111,7 +111,8 @@ class _Float8LinearFn(torch.autograd.Function):
         keep_fp8 = states.get("save_input_in_float8", False)
         ctx.save_for_backward(x_fp8 if keep_fp8 else x2, weight)
         ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -1,0 +1,194 @@
+"""Shared pieces of the FSDP2 + float8 distributed tests: models, batches, configs, and one
+training loop run twice (FSDP2, and a replicated reference with hand-averaged gradients).
+
+Everything here runs inside `run_distributed` children, so it is module level and picklable.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from fsdp_float8 import (
+    CastConfig,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+    sync_float8_amax_and_scale_history,
+)
+from scripts.model import Transformer, model_args
+
+
+@dataclass(frozen=True)
+class Case:
+    scaling: str = "dynamic"  # dynamic | delayed | static
+    recipe: str = "tensorwise"
+    fp8_all_gather: bool = True
+    precompute: bool = True
+    mp_bf16: bool = False
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    model: str = "llama"  # llama | mlp (blocks with no norm: float8 weights alone)
+    n_layers: int = 2
+    dim: int = 64
+    narrow_head: bool = False  # mlp: end with Linear(dim, 2): fewer rows than ranks
+    steps: int = 10
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
+
+
+def float8_config(case: Case, *, all_gather: bool) -> Float8LinearConfig:
+    if case.scaling == "dynamic":
+        base = Float8LinearConfig.from_recipe_name(case.recipe)
+    elif case.scaling == "delayed":
+        d = CastConfig(scaling_type="delayed")
+        base = Float8LinearConfig(
+            cast_config_input=d, cast_config_weight=d, cast_config_grad_output=d
+        )
+    elif case.scaling == "static":
+        base = Float8LinearConfig(
+            cast_config_input=CastConfig(scaling_type="static", static_scale=64.0),
+            cast_config_weight=CastConfig(scaling_type="static", static_scale=2048.0),
+            cast_config_grad_output=CastConfig(scaling_type="static", static_scale=2.0**20),
+        )
+    else:
+        raise ValueError(case.scaling)
+    return replace(base, enable_fsdp_float8_all_gather=all_gather, pad_inner_dim=case.narrow_head)
+
+
+def build_model(case: Case, seed: int = 0) -> nn.Module:
+    if case.model == "llama":
+        args = model_args(
+            "tiny",
+            dim=case.dim,
+            n_layers=case.n_layers,
+            n_heads=4,
+            n_kv_heads=2,
+            multiple_of=16,
+            max_seq_len=32,
+        )
+        model = Transformer(args)
+        model.init_weights(seed)
+        return model
+    torch.manual_seed(seed)
+    return LinearStack(case.dim, case.n_layers, case.narrow_head)
+
+
+class LinearStack(nn.Module):
+    """Blocks that are a bare nn.Linear: under per-block fully_shard a group holds only a
+    float8 weight, so FSDP2 packs float8 all-gather inputs alone."""
+
+    def __init__(self, dim: int, n_layers: int, narrow_head: bool = False):
+        super().__init__()
+        pairs = [(dim, 2 * dim), (2 * dim, dim)] * n_layers + ([(dim, 2)] if narrow_head else [])
+        self.blocks = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in pairs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            x = nn.functional.gelu(x) if i % 2 == 0 else x
+        return x
+
+
+def float8_filter(module: nn.Module, fqn: str) -> bool:
+    return fqn != "output"
+
+
+def batch(case: Case, step: int, rank: int, world_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step * 97 + rank)
+    if case.model == "llama":
+        return torch.randint(0, 256, (2, 17), generator=g)
+    return torch.randn(8, case.dim, generator=g)
+
+
+def loss_of(model: nn.Module, case: Case, x: torch.Tensor) -> torch.Tensor:
+    if case.model == "llama":
+        logits = model(x[:, :-1])
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+    return model(x).float().pow(2).mean()
+
+
+def shard(model: nn.Module, case: Case, mesh) -> nn.Module:
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if case.mp_bf16 else None,
+        reduce_dtype=torch.float32 if case.mp_bf16 else None,
+    )
+    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=case.reshard_after_forward)
+    for i, block in enumerate(model.blocks):
+        if case.activation_checkpointing:
+            block = checkpoint_wrapper(block)
+            model.blocks[i] = block
+            if case.model == "mlp":
+                model[_index_in_sequential(model, model.blocks[i]._checkpoint_wrapped_module)] = (
+                    block
+                )
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def after_step(model: nn.Module, case: Case, group) -> None:
+    if case.scaling == "delayed":
+        sync_float8_amax_and_scale_history(model, group=group)
+    elif case.precompute and case.fp8_all_gather:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def train_fsdp(case: Case, mesh, rank: int, world_size: int, *, counter=None) -> list[float]:
+    model = build_model(case)
+    convert_to_float8_training(
+        model,
+        config=float8_config(case, all_gather=case.fp8_all_gather),
+        module_filter_fn=float8_filter,
+    )
+    shard(model, case, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    if case.precompute and case.fp8_all_gather and case.scaling == "dynamic":
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    losses = []
+    for step in range(case.steps):
+        loss = loss_of(model, case, batch(case, step, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after_step(model, case, None)
+        losses.append(loss.item())
+    return losses
+
+
+def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
+    """Replicated float8 model on each rank, same init and local batch, grads averaged by hand."""
+    master = build_model(case)
+    convert_to_float8_training(
+        master, config=float8_config(case, all_gather=False), module_filter_fn=float8_filter
+    )
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=True)
+    work = copy.deepcopy(master).to(torch.bfloat16) if case.mp_bf16 else master
+    losses = []
+    for step in range(case.steps):
+        if case.mp_bf16:
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), master.parameters(), strict=True):
+                    w.copy_(m)
+        loss = loss_of(work, case, batch(case, step, rank, world_size))
+        loss.backward()
+        for w, m in zip(work.parameters(), master.parameters(), strict=True):
+            grad = w.grad.float()
+            dist.all_reduce(grad)
+            m.grad = grad / world_size
+        if case.mp_bf16:
+            work.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        if case.scaling == "delayed":
+            sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
+        losses.append(loss.item())
+    return losses
