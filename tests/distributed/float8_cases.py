@@ -126,10 +126,6 @@ def shard(model: nn.Module, case: Case, mesh) -> nn.Module:
         if case.activation_checkpointing:
             block = checkpoint_wrapper(block)
             model.blocks[i] = block
-            if case.model == "mlp":
-                model[_index_in_sequential(model, model.blocks[i]._checkpoint_wrapped_module)] = (
-                    block
-                )
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
