@@ -247,6 +247,12 @@ def scaled_mm(
     if emulate:
         out = (a_data.to(torch.float32) * inv_a) @ (b_data.to(torch.float32) * inv_b)
         return out.to(out_dtype)
+    if a_data.device.type == "cpu" and inv_a.dim() == 0 and inv_b.dim() == 0:
+        # CPU torch._scaled_mm (torch 2.13) sends 0-d scales of same-dtype operands to a
+        # oneDNN kernel ~300x slower than its per-row path; the same values as (M, 1) and
+        # (1, N) take the fast path and agree to float32 rounding.
+        inv_a = inv_a.expand(a_data.shape[0], 1).contiguous()
+        inv_b = inv_b.expand(1, b_data.shape[1]).contiguous()
     return torch._scaled_mm(
         a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
