@@ -128,11 +128,17 @@ def _cat(func, args, kwargs):
     first = tensors[0]
     if not all(isinstance(x, Float8Tensor) for x in tensors):
         raise TypeError("cat of Float8Tensor with plain tensors; dequantize first")
-    if all(_tensorwise(x) for x in tensors):
+    # tensorwise, or axiswise along the reduced dim (scale size 1 there): one scale covers
+    # the result, so the pieces must share it
+    shared = all(_tensorwise(x) for x in tensors) or all(
+        x._scale.dim() > 0 and x._scale.shape[dim] == 1 for x in tensors
+    )
+    if shared:
         if any(x._scale is not first._scale for x in tensors[1:]):
             raise ValueError(
-                "cat of tensorwise Float8Tensors with different scale tensors would mix "
-                "scales; rescale to one scale first"
+                f"cat along dim {dim} of Float8Tensors with different scale tensors (shapes "
+                f"{[tuple(x._scale.shape) for x in tensors]}) would mix scales; rescale to "
+                "one scale first"
             )
         return _rewrap(first, func([x._data for x in tensors], dim))
     scale = func([x._scale for x in tensors], dim)
