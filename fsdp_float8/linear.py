@@ -36,6 +36,7 @@ from fsdp_float8.scaling import (
     Tensorwise,
     cast_to_float8_data,
 )
+from fsdp_float8.weight_wrappers.base import plain_weight
 
 _CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
 
@@ -164,6 +165,7 @@ class Float8Linear(nn.Linear):
         self.delayed_ready = False  # host-side mirror of fp8_initialized_*, no sync to read
         self._register_delayed_buffers()
         self.register_load_state_dict_post_hook(_refresh_delayed_ready)
+        self._register_state_dict_hook(_plain_weight_in_state_dict)
 
     @classmethod
     def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
@@ -253,6 +255,12 @@ class Float8Linear(nn.Linear):
             parts.append(f"{op.value}={text}")
         fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
         return f"{super().extra_repr()}, {', '.join(parts)}{fsdp}"
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = plain_weight(state_dict[key])
 
 
 def _refresh_delayed_ready(module: Float8Linear, incompatible_keys) -> None:

@@ -138,3 +138,20 @@ def local_amax(hp: torch.Tensor) -> torch.Tensor:
     if hp.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=hp.device)
     return hp.abs().amax().to(torch.float32)
+
+
+def plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision weight without the wrapper (a DTensor keeps its sharding), so
+    checkpoints hold plain tensors and load anywhere, with or without this package."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
+        return DTensor.from_local(
+            t._local_tensor._tensor,
+            t.device_mesh,
+            t.placements,
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+    return t._tensor if isinstance(t, Float8WeightWrapper) else t

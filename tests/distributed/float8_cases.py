@@ -188,3 +188,11 @@ def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
             sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
         losses.append(loss.item())
     return losses
+
+
+def global_batch(case: Case, step: int, rank: int, world_size: int, rows: int = 4):
+    """Rank `rank`'s slice of a global batch that does not depend on the world size."""
+    g = torch.Generator().manual_seed(5000 + step)
+    full = torch.randint(0, 256, (rows, 17), generator=g)
+    per_rank = rows // world_size
+    return full[rank * per_rank : (rank + 1) * per_rank]
