@@ -209,13 +209,15 @@ class Float8Linear(nn.Linear):
         )
 
     def _apply(self, fn, recurse=True):
-        # delayed-scaling buffers stay float32 through .to(bfloat16) / .half()
+        # delayed-scaling buffers stay float32 through .to(bfloat16) / .half(): take the
+        # device move from fn but the values from the old buffer (a round trip through
+        # bf16 would round the amaxes and scales)
         saved = {n: b for n, b in self._buffers.items() if n.startswith("fp8_")}
         out = super()._apply(fn, recurse)
         for name, old in saved.items():
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
-                self._buffers[name] = new.to(old.dtype)
+                self._buffers[name] = old.to(new.device)
         return out
 
     def _states(self) -> dict:
