@@ -199,10 +199,11 @@ def _require_float8(a, b, name: str) -> None:
         )
 
 
-def _gemm_scales(a: Float8Tensor, b: Float8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gemm_scales(
+    a_scale: torch.Tensor, b_scale: torch.Tensor, m: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """inv_scales shaped as torch._scaled_mm wants: both 0-d, or (M, 1) and (1, N)."""
-    m, n = a.shape[0], b.shape[1]
-    inv_a, inv_b = a.inv_scale, b.inv_scale
+    inv_a, inv_b = a_scale.reciprocal(), b_scale.reciprocal()
     if inv_a.numel() == 1 and inv_b.numel() == 1:
         return inv_a.reshape(()), inv_b.reshape(())
     if tuple(inv_a.shape) not in ((m, 1), ()) or tuple(inv_b.shape) not in ((1, n), ()):
@@ -232,12 +233,38 @@ def scaled_mm(
     use_fast_accum: bool = False,
     pad_inner_dim: bool = False,
 ) -> torch.Tensor:
-    """a (M, K) @ b (K, N) from float8 operands. Lays out a row-major and b column-major
-    (what the hardware GEMM needs), pads K to a multiple of 16 when asked, and either calls
-    `torch._scaled_mm` or emulates it in float32."""
-    inv_a, inv_b = _gemm_scales(a, b)
-    a_data = a._data if a._data.is_contiguous() else a._data.contiguous()
-    b_data = b._data if b._data.t().is_contiguous() else b._data.t().contiguous().t()
+    """a (M, K) @ b (K, N) from two Float8Tensors (see `scaled_mm_data`)."""
+    return scaled_mm_data(
+        a._data,
+        a._scale,
+        b._data,
+        b._scale,
+        out_dtype=out_dtype,
+        emulate=emulate,
+        use_fast_accum=use_fast_accum,
+        pad_inner_dim=pad_inner_dim,
+    )
+
+
+def scaled_mm_data(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    emulate: bool = False,
+    use_fast_accum: bool = False,
+    pad_inner_dim: bool = False,
+) -> torch.Tensor:
+    """a (M, K) @ b (K, N) from float8 data and scales (`scale` multiplies hp into fp8).
+    Lays out a row-major and b column-major (what the hardware GEMM needs), pads K to a
+    multiple of 16 when asked, and either calls `torch._scaled_mm` or emulates it in
+    float32. Takes plain tensors so the linear layer's autograd function traces under
+    torch.compile without building subclasses inside the graph."""
+    inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], b_data.shape[1])
+    a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
+    b_data = b_data if b_data.t().is_contiguous() else b_data.t().contiguous().t()
     k = a_data.shape[1]
     if k % 16 != 0:
         if pad_inner_dim:

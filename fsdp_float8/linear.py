@@ -13,7 +13,6 @@ backward as it does for bf16) and the high-precision input, or the float8 input 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -28,10 +27,11 @@ from fsdp_float8.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fsdp_float8.float8_ops import scaled_mm
+from fsdp_float8.float8_ops import scaled_mm_data
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.scaling import (
     DelayedScaling,
+    DelayedState,
     ScalingStrategy,
     Tensorwise,
     cast_to_float8_data,
@@ -72,22 +72,36 @@ class CastPlan:
         return tensorwise and s1 == s2 and same_dtype
 
 
-def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> torch.Tensor:
-    """Cast a 2-D operand for one GEMM; returns hp unchanged when that GEMM is high precision."""
+# Inside the autograd function an operand is a pair (data, scale): float8 data with its
+# scale, or (hp, None) for a high-precision GEMM. Plain tensors trace under torch.compile;
+# a Float8Tensor weight from the all-gather is unpacked at the boundary.
+Pair = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
+    """Cast a 2-D operand for one GEMM; (hp, None) when that GEMM is high precision."""
     strategy = plan.strategies[(operand, gemm)]
     if strategy is None:
-        return hp
+        return hp, None
     dtype = plan.dtypes[(operand, gemm)]
     scale = strategy.scale(hp, CONTRACTION_DIM[(gemm, operand)], dtype, states.get(operand))
-    return Float8Tensor(cast_to_float8_data(hp, scale, dtype), scale, hp.dtype, plan.emulate)
+    return cast_to_float8_data(hp, scale, dtype), scale
 
 
-def _gemm(left, right, gemm: Gemm, plan: CastPlan, out_dtype: torch.dtype) -> torch.Tensor:
-    if plan.high_precision(gemm):
-        return torch.mm(left.to(out_dtype), right.to(out_dtype))
-    return scaled_mm(
-        left,
-        right,
+def _t(pair: Pair) -> Pair:
+    data, scale = pair
+    return data.t(), (scale.t() if scale is not None and scale.dim() == 2 else scale)
+
+
+def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> torch.Tensor:
+    (a, a_scale), (b, b_scale) = left, right
+    if a_scale is None:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+    return scaled_mm_data(
+        a,
+        a_scale,
+        b,
+        b_scale,
         out_dtype=out_dtype,
         emulate=plan.emulate,
         use_fast_accum=plan.fast_accum[gemm],
@@ -96,28 +110,28 @@ def _gemm(left, right, gemm: Gemm, plan: CastPlan, out_dtype: torch.dtype) -> to
     )
 
 
-def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict):
+def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
     if isinstance(weight, Float8Tensor):
-        return weight  # pre-cast by the FSDP2 float8 all-gather
+        return weight._data, weight._scale  # pre-cast by the FSDP2 float8 all-gather
     return cast_operand(weight, Operand.WEIGHT, gemm, plan, states)
 
 
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, plan: CastPlan, states: dict):
+    def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
         x2 = x.reshape(-1, x.shape[-1])
         x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
-        out = _gemm(x_fp8, w_fp8.t(), Gemm.OUTPUT, plan, x.dtype)
-        keep_fp8 = states.get("save_input_in_float8", False)
-        ctx.save_for_backward(x_fp8 if keep_fp8 else x2, weight)
+        out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype)
+        saved_x = x_fp8 if save_input_in_float8 else (x2, None)
+        ctx.save_for_backward(*saved_x, weight)
         ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_saved, weight = ctx.saved_tensors
+        x_data, x_scale, weight = ctx.saved_tensors
         plan, states = ctx.plan, ctx.states
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
@@ -127,12 +141,12 @@ class _Float8LinearFn(torch.autograd.Function):
             go_gw = go_fp8
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
-        if isinstance(x_saved, Float8Tensor):
-            x_gw = x_saved
+        if x_scale is not None:
+            x_gw = (x_data, x_scale)  # saved in float8 (save_input_in_float8)
         else:
-            x_gw = cast_operand(x_saved, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
-        grad_w = _gemm(go_gw.t(), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
-        return grad_x.reshape(ctx.x_shape), grad_w, None, None
+            x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
+        return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
@@ -200,8 +214,8 @@ class Float8Linear(nn.Linear):
         self._forwards_since_sync = 0
         self.delayed_ready = True
 
-    def delayed_state(self, op: Operand) -> SimpleNamespace:
-        return SimpleNamespace(
+    def delayed_state(self, op: Operand) -> DelayedState:
+        return DelayedState(
             amax=getattr(self, f"fp8_amax_{op.value}"),
             amax_history=getattr(self, f"fp8_amax_history_{op.value}"),
             scale=getattr(self, f"fp8_scale_{op.value}"),
@@ -232,15 +246,15 @@ class Float8Linear(nn.Linear):
                     "Call it once after each optimizer step (or raise "
                     "DelayedScalingConfig.max_forwards_without_sync for long accumulation)"
                 )
-        if self.config.save_input_in_float8:
-            states["save_input_in_float8"] = True
         return states
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         with torch.autocast(x.device.type, enabled=False):
-            out = _Float8LinearFn.apply(x, self.weight, self.plan, self._states())
+            out = _Float8LinearFn.apply(
+                x, self.weight, self.plan, self._states(), self.config.save_input_in_float8
+            )
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         return out

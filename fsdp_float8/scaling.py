@@ -16,7 +16,7 @@ Strategies say where the scale comes from:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -69,8 +69,8 @@ class Axiswise:
         return hp.abs().amax(dim=dim, keepdim=True).to(torch.float32)
 
 
-class DelayedState(Protocol):
-    """What delayed scaling keeps per operand (buffers of a Float8Linear)."""
+class DelayedState(NamedTuple):
+    """What delayed scaling keeps per operand (views of a Float8Linear's buffers)."""
 
     amax: torch.Tensor  # () float32: max amax seen since the last sync
     amax_history: torch.Tensor  # (history_len,) float32, most recent first
