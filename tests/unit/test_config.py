@@ -1,0 +1,186 @@
+"""Config validation (ValueError naming the value and the remedy), enum coercion, recipes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fsdp_float8 import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8LinearConfig,
+    Gemm,
+    Operand,
+    ScalingGranularity,
+    ScalingType,
+)
+from fsdp_float8.config import E4M3, E5M2
+from fsdp_float8.scaling import Axiswise, DelayedScaling, DynamicScaling, StaticScaling
+
+OFF = CastConfig(scaling_type="disabled")
+AXIS = CastConfig(scaling_granularity="axiswise")
+
+
+@pytest.mark.parametrize("bad", [None, 0.0, -1.0])
+def test_static_needs_a_positive_scale(bad) -> None:
+    with pytest.raises(ValueError, match=r"static_scale > 0, got") as info:
+        CastConfig(scaling_type="static", static_scale=bad)
+    assert repr(bad) in str(info.value) and "static_scale=<" in str(info.value)
+
+
+def test_static_scale_without_static_type() -> None:
+    with pytest.raises(ValueError, match="static_scale=2.0 is only used with scaling_type=static"):
+        CastConfig(static_scale=2.0)
+
+
+@pytest.mark.parametrize("scaling_type", ["delayed", "static"])
+def test_stateful_scaling_is_tensorwise_only(scaling_type: str) -> None:
+    extra = {"static_scale": 1.0} if scaling_type == "static" else {}
+    with pytest.raises(ValueError, match=f"{scaling_type} scaling is tensorwise only") as info:
+        CastConfig(scaling_type=scaling_type, scaling_granularity="axiswise", **extra)
+    assert "use dynamic axiswise scaling or tensorwise granularity" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "fields, gemm",
+    [
+        ({"cast_config_input": OFF}, "output"),
+        ({"cast_config_weight_for_grad_input": OFF}, "grad_input"),
+        ({"cast_config_input_for_grad_weight": OFF}, "grad_weight"),
+    ],
+)
+def test_gemm_with_one_operand_disabled(fields, gemm: str) -> None:
+    with pytest.raises(ValueError, match=f"the {gemm} GEMM has") as info:
+        Float8LinearConfig(**fields)
+    assert "disabled" in str(info.value) and "disable or enable both" in str(info.value)
+
+
+def test_gemm_with_both_operands_disabled_is_fine() -> None:
+    config = Float8LinearConfig(
+        cast_config_input_for_grad_weight=OFF, cast_config_grad_output_for_grad_weight=OFF
+    )
+    assert config.strategy(Operand.INPUT, Gemm.GRAD_WEIGHT) is None
+    assert config.strategy(Operand.INPUT, Gemm.OUTPUT) is not None
+
+
+def test_stateful_operand_needs_one_scaling_type_for_both_uses() -> None:
+    with pytest.raises(ValueError, match="input is delayed for its first GEMM but dynamic"):
+        Float8LinearConfig(
+            cast_config_input=CastConfig(scaling_type="delayed"),
+            cast_config_input_for_grad_weight=CastConfig(),
+        )
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_fsdp_float8_all_gather_needs_tensorwise_weight(recipe: str) -> None:
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True needs") as info:
+        Float8LinearConfig.from_recipe_name(recipe, enable_fsdp_float8_all_gather=True)
+    message = str(info.value)
+    assert "dynamic/axiswise" in message and "'tensorwise' recipe" in message
+    assert Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
+
+
+def test_fsdp_float8_all_gather_needs_one_weight_cast() -> None:
+    with pytest.raises(ValueError, match="same dtype and scaling type"):
+        Float8LinearConfig(
+            enable_fsdp_float8_all_gather=True,
+            cast_config_weight_for_grad_input=CastConfig(target_dtype=E5M2),
+        )
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_save_input_in_float8_needs_tensorwise_input(recipe: str) -> None:
+    with pytest.raises(ValueError, match="save_input_in_float8=True") as info:
+        Float8LinearConfig.from_recipe_name(recipe, save_input_in_float8=True)
+    assert "set save_input_in_float8=False" in str(info.value)
+    with pytest.raises(ValueError, match="save_input_in_float8=True"):
+        Float8LinearConfig(cast_config_input=AXIS, save_input_in_float8=True)
+
+
+def test_unknown_recipe() -> None:
+    with pytest.raises(ValueError, match=r"unknown float8 recipe 'colwise'") as info:
+        Float8LinearConfig.from_recipe_name("colwise")
+    assert "['rowwise', 'rowwise_with_gw_hp', 'tensorwise']" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, valid",
+    [
+        ("scaling_type", "dynamc", "'dynamic', 'delayed', 'static', 'disabled'"),
+        ("scaling_granularity", "rowwise", "'tensorwise', 'axiswise'"),
+    ],
+)
+def test_bad_enum_strings(field: str, value: str, valid: str) -> None:
+    with pytest.raises(ValueError, match=f"{field}='{value}' is not valid") as info:
+        CastConfig(**{field: value})
+    assert valid in str(info.value)
+
+
+def test_bad_target_dtype_and_delayed_scaling_config() -> None:
+    with pytest.raises(ValueError, match="target_dtype=torch.bfloat16 is not a float8 dtype"):
+        CastConfig(target_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="history_len must be an int >= 1, got 0"):
+        DelayedScalingConfig(history_len=0)
+    with pytest.raises(ValueError, match="scale_fn_name='mean'; expected 'max' or 'most_recent'"):
+        DelayedScalingConfig(scale_fn_name="mean")
+    with pytest.raises(ValueError, match="max_forwards_without_sync must be >= 1, got 0"):
+        DelayedScalingConfig(max_forwards_without_sync=0)
+
+
+def test_enum_strings_are_coerced_and_configs_are_frozen_keyword_only() -> None:
+    cfg = CastConfig(scaling_type="delayed", scaling_granularity="tensorwise")
+    assert cfg.scaling_type is ScalingType.DELAYED
+    assert cfg.scaling_granularity is ScalingGranularity.TENSORWISE
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.scaling_type = ScalingType.STATIC
+    with pytest.raises(TypeError):
+        CastConfig("dynamic")  # keyword-only
+    with pytest.raises(TypeError):
+        Float8LinearConfig(CastConfig())
+
+
+def test_recipes() -> None:
+    tw = Float8LinearConfig.from_recipe_name("tensorwise")
+    assert tw == Float8LinearConfig.tensorwise() == Float8LinearConfig()
+    assert tw.float8_dtype(Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT) == E5M2
+    assert tw.float8_dtype(Operand.INPUT, Gemm.OUTPUT) == E4M3
+
+    rw = Float8LinearConfig.rowwise()
+    assert rw.round_scales_to_power_of_2
+    for operand, gemm in _USES:
+        strategy = rw.strategy(operand, gemm)
+        assert isinstance(strategy, DynamicScaling) and strategy.power_of_2
+        assert isinstance(strategy.granularity, Axiswise)
+        assert rw.float8_dtype(operand, gemm) == E4M3
+
+    gw_hp = Float8LinearConfig.rowwise_with_gw_hp(emulate=True)
+    assert gw_hp.emulate
+    assert gw_hp.strategy(Operand.INPUT, Gemm.GRAD_WEIGHT) is None
+    assert gw_hp.strategy(Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT) is None
+    w_gi = gw_hp.strategy(Operand.WEIGHT, Gemm.GRAD_INPUT)
+    assert not isinstance(w_gi.granularity, Axiswise)
+
+
+_USES = {
+    (Operand.INPUT, Gemm.OUTPUT),
+    (Operand.INPUT, Gemm.GRAD_WEIGHT),
+    (Operand.WEIGHT, Gemm.OUTPUT),
+    (Operand.WEIGHT, Gemm.GRAD_INPUT),
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT),
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT),
+}
+
+
+def test_strategy_objects_follow_the_config() -> None:
+    config = Float8LinearConfig(
+        cast_config_input=CastConfig(scaling_type="static", static_scale=3.0),
+        cast_config_weight=CastConfig(scaling_type="delayed"),
+        delayed_scaling_config=DelayedScalingConfig(history_len=5, scale_fn_name="most_recent"),
+        round_scales_to_power_of_2=True,
+    )
+    assert config.strategy(Operand.INPUT, Gemm.GRAD_WEIGHT) == StaticScaling(scale=3.0)
+    delayed = config.strategy(Operand.WEIGHT, Gemm.GRAD_INPUT)
+    assert delayed == DelayedScaling(history_len=5, scale_fn_name="most_recent", power_of_2=True)
+    assert config.scaling_types() == {ScalingType.STATIC, ScalingType.DELAYED, ScalingType.DYNAMIC}

@@ -1,0 +1,120 @@
+"""convert_to_float8_training: the filter gets (module, fqn), the default filter skips dims
+not divisible by 16 and says why, parameters are shared not copied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_float8 import Float8Linear, Float8LinearConfig, convert_to_float8_training
+from scripts.model import Transformer, model_args
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 64),
+        nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 20)),  # 20: not /16
+        nn.Linear(20, 32),  # 20 in: not /16
+        nn.LayerNorm(32),
+    )
+
+
+def _float8_fqns(model: nn.Module) -> list[str]:
+    return [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def test_filter_gets_module_and_fqn_and_is_obeyed() -> None:
+    model = _model()
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    calls: list[tuple[nn.Module, str]] = []
+
+    def keep_first_block(mod: nn.Module, fqn: str) -> bool:
+        calls.append((mod, fqn))
+        return fqn.startswith("1.")
+
+    convert_to_float8_training(
+        model, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=keep_first_block
+    )
+    assert sorted(fqn for _, fqn in calls) == sorted(linears)
+    assert all(mod is linears[fqn] for mod, fqn in calls)
+    assert _float8_fqns(model) == ["1.0", "1.2"]
+    report = model.float8_conversion_report
+    assert report.converted == ["1.0", "1.2"]
+    assert report.skipped == {
+        "0": "rejected by module_filter_fn",
+        "2": "rejected by module_filter_fn",
+    }
+
+
+def test_default_filter_skips_dims_not_divisible_by_16_and_reports_why() -> None:
+    model = convert_to_float8_training(_model(), config=Float8LinearConfig())
+    assert _float8_fqns(model) == ["0", "1.0"]
+    report = model.float8_conversion_report
+    assert set(report.skipped) == {"1.2", "2"}
+    assert "dims (48, 20) not multiples of 16" in report.skipped["1.2"]
+    assert "dims (20, 32)" in report.skipped["2"] and "pad_inner_dim=True" in report.skipped["2"]
+    text = str(report)
+    assert "converted 2 linear layers" in text and "skipped 2:" in text
+    model(torch.randn(2, 3, 64)).sum().backward()  # the mixed model runs
+
+
+def test_pad_inner_dim_converts_everything() -> None:
+    model = convert_to_float8_training(_model(), config=Float8LinearConfig(pad_inner_dim=True))
+    assert _float8_fqns(model) == ["0", "1.0", "1.2", "2"]
+    assert model.float8_conversion_report.skipped == {}
+    assert torch.isfinite(model(torch.randn(2, 3, 64))).all()
+
+
+def test_parameters_are_shared_not_copied() -> None:
+    model = _model()
+    before = dict(model.named_parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built before the swap
+    convert_to_float8_training(model, config=Float8LinearConfig())
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+    w0 = model[0].weight.detach().clone()
+    model(torch.randn(4, 64)).square().sum().backward()
+    optimizer.step()  # the optimizer still owns the converted layer's weight
+    assert not torch.equal(model[0].weight, w0)
+
+
+def test_converted_outputs_match_the_original() -> None:
+    model = _model()
+    x = torch.randn(2, 5, 64)
+    want = model(x)
+    got = convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))(x)
+    assert want.shape == got.shape and not torch.equal(want, got)  # float8 really ran
+    torch.testing.assert_close(got, want, rtol=0.1, atol=0.1)
+
+
+def test_root_linear_and_repeat_conversion() -> None:
+    with pytest.raises(TypeError, match=r"nn.Sequential\(linear\)"):
+        convert_to_float8_training(nn.Linear(64, 64))
+    model = convert_to_float8_training(_model())
+    layer = model[0]
+    convert_to_float8_training(model)  # already converted layers are left alone
+    assert model[0] is layer and _float8_fqns(model) == ["0", "1.0"]
+
+
+def test_tied_weights_refused_with_float8_all_gather() -> None:
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    model[1].weight = model[0].weight
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="is tied to") as info:
+        convert_to_float8_training(model, config=config)
+    assert "module_filter_fn" in str(info.value)
+
+
+def test_transformer_conversion_skipping_the_output_head() -> None:
+    args = model_args("tiny", n_layers=2, dim=64, multiple_of=64)
+    model = Transformer(args)
+    convert_to_float8_training(
+        model, config=Float8LinearConfig(), module_filter_fn=lambda mod, fqn: fqn != "output"
+    )
+    linears_per_block = 7  # wq wk wv wo w1 w2 w3
+    assert len(model.float8_conversion_report.converted) == 2 * linears_per_block
+    assert model.float8_conversion_report.skipped == {"output": "rejected by module_filter_fn"}
+    assert type(model.output) is nn.Linear

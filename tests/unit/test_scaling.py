@@ -1,0 +1,180 @@
+"""Scale math and strategies: cast SQNR per dtype and granularity, power-of-2 rounding,
+amax == 0, saturation, and the GEMM of two float8 tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_float8 import Float8Linear, Float8LinearConfig, hp_to_float8, scaled_mm, sqnr_db
+from fsdp_float8.config import E4M3, E5M2, Gemm, Operand
+from fsdp_float8.numerics import SQNR_DB, saturation_fraction, underflow_fraction
+from fsdp_float8.scaling import (
+    EPS,
+    Axiswise,
+    DelayedScaling,
+    DynamicScaling,
+    StaticScaling,
+    Tensorwise,
+    amax_to_scale,
+    cast_to_float8_data,
+    float8_max,
+    round_down_to_power_of_2,
+)
+
+CAST_BAR = {E4M3: SQNR_DB["cast_e4m3"], E5M2: SQNR_DB["cast_e5m2"]}
+DTYPE_IDS = {E4M3: "e4m3", E5M2: "e5m2"}
+
+
+def _roundtrip(hp: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return hp_to_float8(hp, scale, dtype).dequantize()
+
+
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("granularity", [Tensorwise(), Axiswise()], ids=["tensor", "axis"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_cast_sqnr(dtype, granularity, hp_dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    # rows over 4 decades: axiswise must handle them, tensorwise still meets its bar
+    hp = (torch.randn(4, 32, 64, generator=g) * torch.logspace(-2, 2, 32)[:, None]).to(hp_dtype)
+    for dim in (-1, 0):
+        scale = DynamicScaling(granularity=granularity).scale(hp, dim, dtype)
+        assert scale.dtype == torch.float32
+        if isinstance(granularity, Axiswise):
+            assert scale.shape[dim] == 1 and scale.dim() == hp.dim()
+        out = _roundtrip(hp, scale, dtype)
+        assert out.dtype == hp_dtype
+        assert sqnr_db(hp, out) >= CAST_BAR[dtype], f"dim {dim}"
+
+
+def test_axiswise_beats_tensorwise_on_uneven_rows() -> None:
+    hp = torch.randn(64, 64) * torch.logspace(-4, 2, 64)[:, None]
+    sq = {
+        name: sqnr_db(hp, _roundtrip(hp, DynamicScaling(granularity=g).scale(hp, -1, E4M3), E4M3))
+        for name, g in (("tensor", Tensorwise()), ("axis", Axiswise()))
+    }
+    assert sq["axis"] > sq["tensor"]
+    # the small rows underflow under one tensorwise scale
+    scale = amax_to_scale(hp.abs().amax(), E4M3)
+    assert underflow_fraction(hp, scale, E4M3) > 0.05
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_amax_to_scale_is_fp8_max_over_amax_in_float64(dtype) -> None:
+    amax = torch.tensor([3.0, 1e-3, 7.5e4, 1.0 / 3.0])
+    want = (float8_max(dtype) / amax.double()).float()
+    torch.testing.assert_close(amax_to_scale(amax, dtype), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_power_of_2_scales_are_exact_powers_of_two(dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    amax = torch.rand(1000, generator=g) * torch.logspace(-6, 6, 1000)
+    exact = amax_to_scale(amax, dtype)
+    rounded = amax_to_scale(amax, dtype, power_of_2=True)
+    mantissa, _ = torch.frexp(rounded)
+    assert (mantissa == 0.5).all()  # 2**k exactly
+    assert (rounded <= exact).all() and (rounded > exact / 2).all()  # rounded down
+    # rounding down keeps amax * scale within the float8 range: no saturation
+    assert (amax * rounded <= float8_max(dtype)).all()
+    torch.testing.assert_close(round_down_to_power_of_2(torch.tensor(0.75)), torch.tensor(0.5))
+
+
+def test_rowwise_recipe_scales_are_powers_of_two() -> None:
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    assert config.round_scales_to_power_of_2
+    hp = torch.randn(16, 64) * 3.7
+    for operand, gemm in ((Operand.INPUT, Gemm.OUTPUT), (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT)):
+        scale = config.strategy(operand, gemm).scale(hp, -1, E4M3)
+        assert scale.shape == (16, 1)
+        assert (torch.frexp(scale).mantissa == 0.5).all()
+    delayed = DelayedScaling(power_of_2=True)
+    state = _delayed_state()
+    delayed.record(state, torch.tensor(3.3))
+    delayed.update(state, E4M3)
+    assert torch.frexp(state.scale).mantissa == 0.5
+
+
+def _delayed_state(history_len: int = 4):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        amax=torch.zeros(()),
+        amax_history=torch.zeros(history_len),
+        scale=torch.ones(()),
+        initialized=torch.zeros((), dtype=torch.bool),
+    )
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_amax_zero_gives_finite_scale_and_zeros(dtype, power_of_2: bool) -> None:
+    zeros = torch.zeros(8, 16)
+    for granularity in (Tensorwise(), Axiswise()):
+        scale = DynamicScaling(granularity=granularity, power_of_2=power_of_2).scale(
+            zeros, -1, dtype
+        )
+        assert torch.isfinite(scale).all() and (scale > 0).all()
+        assert scale.max() <= float8_max(dtype) / EPS
+        out = hp_to_float8(zeros, scale, dtype).dequantize()
+        assert torch.isfinite(out).all() and (out == 0).all()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_linear_on_zero_input_is_finite(recipe: str) -> None:
+    mod = Float8Linear(32, 16, bias=False, config=Float8LinearConfig.from_recipe_name(recipe))
+    x = torch.zeros(2, 3, 32, requires_grad=True)
+    out = mod(x)
+    out.backward(torch.zeros_like(out))
+    for t in (out, x.grad, mod.weight.grad):
+        assert torch.isfinite(t).all() and (t == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_cast_saturates_instead_of_overflowing(dtype) -> None:
+    hp = torch.tensor([1.0, -2.0, 1e6, -1e6, 0.0])
+    scale = torch.tensor(1.0)
+    data = cast_to_float8_data(hp, scale, dtype).to(torch.float32)
+    fmax = float8_max(dtype)
+    assert torch.isfinite(data).all()
+    assert data.tolist() == [1.0, -2.0, fmax, -fmax, 0.0]
+    assert saturation_fraction(hp, scale, dtype) == pytest.approx(2 / 5)
+
+
+def test_static_and_delayed_strategies() -> None:
+    hp = torch.randn(8, 16) * 100
+    static = StaticScaling(scale=0.5).scale(hp, -1, E4M3)
+    assert static.dtype == torch.float32 and static.item() == 0.5
+    with pytest.raises(ValueError, match="DelayedState"):
+        DelayedScaling().scale(hp, -1, E4M3, None)
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b_dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_gemm_sqnr_and_real_vs_emulated(b_dtype, out_dtype, emulate: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    a_hp, b_hp = torch.randn(48, 64, generator=g), torch.randn(32, 64, generator=g)
+    want = a_hp @ b_hp.t()
+    for granularity in (Tensorwise(), Axiswise()):
+        strategy = DynamicScaling(granularity=granularity)
+        a = hp_to_float8(a_hp, strategy.scale(a_hp, -1, E4M3), E4M3, emulate=emulate)
+        b = hp_to_float8(b_hp, strategy.scale(b_hp, -1, b_dtype), b_dtype, emulate=emulate).t()
+        out = scaled_mm(a, b, out_dtype=out_dtype, emulate=emulate)
+        assert out.dtype == out_dtype and out.shape == (48, 32)
+        bar = SQNR_DB["gemm_e4m3"] if b_dtype == E4M3 else SQNR_DB["cast_e5m2"]
+        assert sqnr_db(want, out) >= bar
+        other = scaled_mm(a, b, out_dtype=out_dtype, emulate=not emulate)
+        assert sqnr_db(other, out) >= SQNR_DB["real_vs_emulated"]
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["scaled_mm", "emulated"])
+def test_gemm_pads_inner_dim(emulate: bool) -> None:
+    a_hp, b_hp = torch.randn(16, 40), torch.randn(24, 40)  # K = 40, not a multiple of 16
+    scale = torch.tensor(20.0)
+    a = hp_to_float8(a_hp, scale, E4M3, emulate=emulate)
+    b = hp_to_float8(b_hp, scale, E4M3, emulate=emulate).t()
+    out = scaled_mm(a, b, out_dtype=torch.float32, emulate=emulate, pad_inner_dim=True)
+    assert sqnr_db(a_hp @ b_hp.t(), out) >= SQNR_DB["gemm_e4m3"]
+    unpadded = (a.dequantize()) @ (b.dequantize())
+    torch.testing.assert_close(out, unpadded)  # zero padding adds nothing
