@@ -1,0 +1,85 @@
+"""torch.compile of float8: fullgraph, no graph breaks, and the same numbers as eager.
+
+`aot_eager` (fast on CPU) runs in the default suite: it traces through dynamo and
+AOTAutograd exactly as inductor would, so a graph break or an untraceable subclass fails
+here. One inductor test (slow) checks that generated kernels give bitwise-equal scales.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_float8 import Float8Linear, Float8Tensor, hp_to_float8
+from fsdp_float8.config import E4M3
+from fsdp_float8.scaling import amax_to_scale
+from tests.unit.float8_helpers import RECIPES, SCALINGS, make_config
+
+torch._dynamo.config.cache_size_limit = 64
+
+
+def _run(module, x):
+    y = module(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad.detach().clone(), module.weight.grad.detach().clone()
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_float8_linear_fullgraph_matches_eager(recipe, scaling):
+    torch.manual_seed(0)
+    eager = Float8Linear.from_float(nn.Linear(64, 48), make_config(recipe, scaling))
+    compiled_mod = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_mod, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 8, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for a, b in zip(_run(eager, x1), _run(compiled, x2), strict=True):
+        assert torch.equal(a, b)
+    for name, buf in eager.named_buffers():  # delayed amaxes recorded identically
+        assert torch.equal(buf, dict(compiled_mod.named_buffers())[name]), name
+
+
+def test_float8_tensor_as_graph_input_and_output():
+    x = torch.randn(32, 16)
+    scale = amax_to_scale(x.abs().amax(), E4M3)
+    fp8 = hp_to_float8(x, scale, E4M3)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def reshape_and_transpose(t: Float8Tensor) -> Float8Tensor:
+        return t.t().reshape(16, 32)
+
+    out = reshape_and_transpose(fp8)
+    assert isinstance(out, Float8Tensor)
+    assert torch.equal(out.dequantize(), fp8.dequantize().t().reshape(16, 32))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def make(t: torch.Tensor) -> Float8Tensor:
+        return hp_to_float8(t, amax_to_scale(t.abs().amax(), E4M3), E4M3)
+
+    made = make(x)
+    assert isinstance(made, Float8Tensor)
+    assert torch.equal(made._data.view(torch.uint8), fp8._data.view(torch.uint8))
+
+
+@pytest.mark.slow
+def test_inductor_scales_bitwise_equal_to_eager():
+    torch.manual_seed(0)
+    xs = [torch.randn(256, 512) * s for s in (1e-3, 1.0, 300.0)]
+
+    def scales(t):
+        return (
+            amax_to_scale(t.abs().amax(), E4M3),
+            amax_to_scale(t.abs().amax(dim=-1, keepdim=True), E4M3, power_of_2=True),
+        )
+
+    compiled = torch.compile(scales, backend="inductor", fullgraph=True)
+    for x in xs:
+        for a, b in zip(scales(x), compiled(x), strict=True):
+            assert torch.equal(a, b)
+    eager = Float8Linear.from_float(nn.Linear(64, 48), make_config("tensorwise", "dynamic"))
+    comp = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
+    x = torch.randn(4, 64)
+    assert torch.equal(eager(x), comp(x))
