@@ -34,6 +34,7 @@ class Case:
     mp_bf16: bool = False
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
+    compile: bool = False  # per-block torch.compile (aot_eager), as training scripts do
     model: str = "llama"  # llama | mlp (blocks with no norm: float8 weights alone)
     n_layers: int = 2
     dim: int = 64
@@ -126,6 +127,8 @@ def shard(model: nn.Module, case: Case, mesh) -> nn.Module:
         if case.activation_checkpointing:
             block = checkpoint_wrapper(block)
             model.blocks[i] = block
+        if case.compile:
+            block.compile(backend="aot_eager")
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
