@@ -236,7 +236,10 @@ class Float8Linear(nn.Linear):
 
     def _states(self) -> dict:
         states: dict = {op: self.delayed_state(op) for op in self.delayed_operands()}
-        if states and self.training and torch.is_grad_enabled():
+        if not (self.training and torch.is_grad_enabled()):
+            # evaluation uses the delayed scales but must not feed their history
+            return {op: s._replace(amax=torch.zeros_like(s.amax)) for op, s in states.items()}
+        if states:
             self._forwards_since_sync += 1
             limit = self.config.delayed_scaling_config.max_forwards_without_sync
             if self._forwards_since_sync > limit:

@@ -148,6 +148,18 @@ def test_no_grad_and_eval_forwards_do_not_count() -> None:
         mod(x)
 
 
+def test_eval_forwards_do_not_feed_the_history() -> None:
+    mod = _layer()
+    _step(mod, torch.randn(2, 64))
+    before = {n: b.clone() for n, b in mod.named_buffers()}
+    with torch.no_grad():
+        mod(torch.randn(2, 64) * 1000)
+    mod.eval()
+    mod(torch.randn(2, 64) * 1000)
+    for name, buf in mod.named_buffers():
+        assert torch.equal(buf, before[name]), name
+
+
 def _trained(seed: int = 0, steps: int = 3) -> Float8Linear:
     mod = _layer(seed=seed, history_len=4)
     for i in range(steps):

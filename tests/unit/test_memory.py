@@ -1,0 +1,60 @@
+"""Activation memory of Float8Linear: what autograd keeps for backward.
+
+With `save_input_in_float8=True` the layer keeps its input as float8 data plus a 0-d scale
+instead of the high-precision input: about half of bf16's bytes. The weight (a parameter,
+shared with the optimizer) is not counted. The numerics are unchanged for tensorwise
+scaling: backward casts the same input with the same scale either way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_float8 import Float8Linear, Float8LinearConfig
+
+SAVED_RATIO_MAX = 0.55
+
+
+def _saved_activation_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    params = {p.data_ptr() for p in module.parameters()}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in params:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x).float().sum().backward()
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_float8_saved_input_halves_activation_memory(dtype):
+    torch.manual_seed(0)
+    base = nn.Linear(256, 128, bias=False).to(dtype)
+    hp = Float8Linear.from_float(base, Float8LinearConfig())
+    fp8 = Float8Linear.from_float(base, Float8LinearConfig(save_input_in_float8=True))
+    x = torch.randn(4, 64, 256, dtype=dtype, requires_grad=True)
+    hp_bytes = _saved_activation_bytes(hp, x)
+    fp8_bytes = _saved_activation_bytes(fp8, x)
+    assert hp_bytes == x.numel() * x.element_size()
+    assert fp8_bytes <= SAVED_RATIO_MAX * hp_bytes * (2 / x.element_size())
+    assert fp8_bytes == x.numel() + 4  # float8 data + one float32 scale
+
+
+def test_float8_saved_input_same_numerics_for_tensorwise():
+    torch.manual_seed(0)
+    base = nn.Linear(64, 32)
+    a = Float8Linear.from_float(base, Float8LinearConfig())
+    x1 = torch.randn(8, 64, requires_grad=True)
+    a(x1).square().sum().backward()
+    g_hp = (x1.grad.clone(), base.weight.grad.clone())
+    base.weight.grad = None
+    b = Float8Linear.from_float(base, Float8LinearConfig(save_input_in_float8=True))
+    x2 = x1.detach().clone().requires_grad_()
+    b(x2).square().sum().backward()
+    assert torch.equal(g_hp[0], x2.grad) and torch.equal(g_hp[1], base.weight.grad)
