@@ -6,6 +6,8 @@ the field's usual bars for a linear layer).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fsdp_float8.scaling import float8_max
@@ -45,3 +47,22 @@ def underflow_fraction(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torc
     fp8 = (x * scale).clamp(-float8_max(float8_dtype), float8_max(float8_dtype))
     zeroed = (fp8.to(float8_dtype).to(torch.float32) == 0) & (x != 0)
     return zeroed.float().mean()
+
+
+@functools.cache
+def float8_rounding_max(float8_dtype: torch.dtype) -> float:
+    """The largest scaled magnitude that rounds to the float8 max: the max plus half the
+    spacing of float8 values just below it (e4m3fn 464, e5m2 61440). Up to it, the
+    saturating clamp changes an element no more than rounding would."""
+    fmax = torch.tensor(float8_max(float8_dtype)).to(float8_dtype)
+    below = (fmax.view(torch.uint8) - 1).view(float8_dtype)  # the next float8 value down
+    return float(fmax.float() + (fmax.float() - below.float()) / 2)
+
+
+def out_of_range_fraction(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype):
+    """Fraction of elements that saturate beyond rounding: scaled magnitude above
+    `float8_rounding_max`, so the clamp, not rounding, sets their float8 value. Unlike
+    `saturation_fraction` (> max), an element a hair above the max does not count, e.g. the
+    amax element of a dynamically scaled tensor when its float32 scale rounded up."""
+    scaled = hp.detach().to(torch.float32).abs() * scale
+    return (scaled > float8_rounding_max(float8_dtype)).float().mean()
