@@ -211,24 +211,32 @@ class Float8LinearConfig:
             )
 
     def _check_fsdp_all_gather(self) -> None:
-        for gemm in (Gemm.OUTPUT, Gemm.GRAD_INPUT):
-            cfg = self.cast(Operand.WEIGHT, gemm)
-            if not cfg.enabled or cfg.scaling_granularity is not ScalingGranularity.TENSORWISE:
-                raise ValueError(
-                    "enable_fsdp_float8_all_gather=True needs a float8 tensorwise weight for "
-                    f"both weight GEMMs, but the weight for {gemm.value} is "
-                    f"{cfg.scaling_type.value}/{cfg.scaling_granularity.value}; use the "
-                    "'tensorwise' recipe or set enable_fsdp_float8_all_gather=False"
-                )
+        """The gathered weight serves both weight GEMMs. Tensorwise: one scale for both
+        (same dtype and scaling type). Axiswise (per output row, local to each dim-0 shard):
+        the grad_input weight is re-cast from the gathered rows (any dynamic cast)."""
         fwd = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
         bwd = self.cast(Operand.WEIGHT, Gemm.GRAD_INPUT)
-        if self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) != self.float8_dtype(
-            Operand.WEIGHT, Gemm.GRAD_INPUT
-        ) or (fwd.scaling_type is not bwd.scaling_type):
+        if not (fwd.enabled and bwd.enabled):
             raise ValueError(
-                "enable_fsdp_float8_all_gather=True gathers one float8 weight for both "
-                "weight GEMMs; give cast_config_weight_for_grad_input the same dtype and "
-                "scaling type as cast_config_weight (or leave it None)"
+                "enable_fsdp_float8_all_gather=True needs a float8 weight in both weight "
+                f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
+                f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
+            )
+        if fwd.scaling_granularity is ScalingGranularity.AXISWISE:
+            return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
+        same_dtype = self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) == self.float8_dtype(
+            Operand.WEIGHT, Gemm.GRAD_INPUT
+        )
+        if not same_dtype or fwd != bwd and (bwd.scaling_type is not fwd.scaling_type):
+            raise ValueError(
+                "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
+                "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "
+                "the same dtype and scaling type as cast_config_weight (or leave it None)"
+            )
+        if bwd.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            raise ValueError(
+                "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
+                "cast_config_weight_for_grad_input tensorwise (or leave it None)"
             )
 
     def _check_save_input_in_float8(self) -> None:

@@ -40,7 +40,7 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> int:
     for m in _float8_linears(model):
         w = m.weight
         local = w._local_tensor if isinstance(w, DTensor) else w
-        if isinstance(local, DynamicFloat8Weight):
+        if isinstance(local, DynamicFloat8Weight) and not local.rowwise:
             mesh = w.device_mesh if isinstance(w, DTensor) else None
             by_mesh.setdefault(mesh, []).append((local, m))
     for mesh, items in by_mesh.items():

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-from fsdp_float8.config import Float8LinearConfig, Gemm, Operand
+from fsdp_float8.config import Float8LinearConfig, Gemm, Operand, ScalingGranularity
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.scaling import cast_to_float8_data
 
@@ -107,24 +107,43 @@ class Float8WeightWrapper(torch.Tensor):
     def float8_dtype(self) -> torch.dtype:
         return self._config.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT)
 
+    @property
+    def rowwise(self) -> bool:
+        """Per-output-row scales: local to each dim-0 shard, gathered with the data."""
+        cfg = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT)
+        return cfg.scaling_granularity is ScalingGranularity.AXISWISE
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         scale = self.float8_scale(mesh, module)
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
+        if self.rowwise:
+            if outer_size[0] % mesh.size() != 0:  # every rank sees this: no rank hangs
+                raise ValueError(
+                    f"rowwise float8 all-gather of a weight with {outer_size[0]} rows over "
+                    f"{mesh.size()} shards: FSDP2 needs every all-gather input at the padded "
+                    "shard size, which the row scales cannot have; use rows divisible by the "
+                    "shard count, the 'tensorwise' recipe, or enable_fsdp_float8_all_gather=False"
+                )
+            return (data, scale), (None, self.float8_dtype, self._config.emulate)
         if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
             data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0]))
         return (data,), (scale, self.float8_dtype, self._config.emulate)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        (data_bytes,) = all_gather_outputs
-        scale, float8_dtype, emulate = metadata
+        gathered_scale, float8_dtype, emulate = metadata
+        data = all_gather_outputs[0].view(float8_dtype)
+        if len(all_gather_outputs) == 2:  # rowwise: the scales arrived with the data
+            scale = all_gather_outputs[1]
+            if out is not None:
+                return  # data and scales alias the all-gather outputs that FSDP2 refilled
+            return Float8Tensor(data, scale, param_dtype, emulate), (data, scale)
         if out is not None:
             if not isinstance(out, Float8Tensor):
                 raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-            out._scale.copy_(scale)
+            out._scale.copy_(gathered_scale)
             return
-        data = data_bytes.view(float8_dtype)
-        return Float8Tensor(data, scale.clone(), param_dtype, emulate), (data,)
+        return Float8Tensor(data, gathered_scale.clone(), param_dtype, emulate), (data,)
 
 
 def _flat(args, kwargs):

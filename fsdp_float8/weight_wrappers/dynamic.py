@@ -5,6 +5,8 @@ last optimizer step (one batched collective for the whole model). It is trusted 
 the weight is unchanged since (the inner tensor's version counter), so a forgotten
 precompute costs a collective, never a stale scale. Otherwise: the local shard's amax,
 all-reduced over the shard mesh (one small collective for this weight).
+Rowwise (axiswise) weights scale each output row by its own amax: local to the dim-0 shard,
+so they need neither collective nor precompute.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         )
 
     def float8_scale(self, mesh, module) -> torch.Tensor:
+        pow2 = self._config.round_scales_to_power_of_2
+        if self.rowwise:  # per output row: the shard has all it needs, no collective
+            amax = self._tensor.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+            return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)
         if self.has_fresh_precomputed_scale():
             return self._precomputed_scale
         amax = all_reduce_amax_(local_amax(self._tensor).reshape(1), mesh)[0]
-        return amax_to_scale(
-            amax, self.float8_dtype, power_of_2=self._config.round_scales_to_power_of_2
-        )
+        return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)

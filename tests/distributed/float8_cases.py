@@ -166,8 +166,11 @@ def train_fsdp(case: Case, mesh, rank: int, world_size: int, *, counter=None) ->
 def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
     """Replicated float8 model on each rank, same init and local batch, grads averaged by hand."""
     master = build_model(case)
+    # rowwise weights under float8 all-gather re-cast grad_input's weight from the row-cast
+    # weight, sharded or not: the reference keeps that config (its weights stay unsharded)
+    rowwise_ag = case.fp8_all_gather and case.recipe != "tensorwise"
     convert_to_float8_training(
-        master, config=float8_config(case, all_gather=False), module_filter_fn=float8_filter
+        master, config=float8_config(case, all_gather=rowwise_ag), module_filter_fn=float8_filter
     )
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=True)
     work = copy.deepcopy(master).to(torch.bfloat16) if case.mp_bf16 else master

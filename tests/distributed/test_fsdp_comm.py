@@ -35,14 +35,18 @@ from tests.distributed.float8_cases import (
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
 
-def _expected_all_gather_bytes(model, world_size: int, fp8: bool, bf16: bool) -> dict:
-    """Bytes one rank sends per all-gather pass, split by block/root, from the param shapes."""
+def _expected_all_gather_bytes(model, world_size: int, fp8: bool, bf16: bool, rowwise: bool):
+    """Bytes one rank sends per all-gather pass, split by block/root, from the param shapes:
+    float8 weights 1 byte/element (+ a float32 scale per row when rowwise), others 4 or 2."""
     fp8_ids = {id(m.weight) for m in model.modules() if isinstance(m, Float8Linear)}
     per_param = {}
     for name, p in model.named_parameters():
-        shard_numel = math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:])
-        size = 1 if (fp8 and id(p) in fp8_ids) else (2 if bf16 else 4)
-        per_param[name] = shard_numel * size
+        rows = math.ceil(p.shape[0] / world_size)
+        shard_numel = rows * math.prod(p.shape[1:])
+        if fp8 and id(p) in fp8_ids:
+            per_param[name] = shard_numel + (4 * rows if rowwise else 0)
+        else:
+            per_param[name] = shard_numel * (2 if bf16 else 4)
     blocks = sum(v for k, v in per_param.items() if k.startswith("blocks."))
     return {"blocks": blocks, "root": sum(per_param.values()) - blocks}
 
@@ -53,9 +57,9 @@ def _step_stats(rank, world_size, case: Case, steps: int = 3) -> dict:
     if case.recipe != "off":
         config = float8_config(case, all_gather=case.fp8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
-    expected = _expected_all_gather_bytes(
-        model, world_size, case.fp8_all_gather and case.recipe != "off", case.mp_bf16
-    )
+    fp8_ag = case.fp8_all_gather and case.recipe != "off"
+    rowwise = case.recipe.startswith("rowwise")
+    expected = _expected_all_gather_bytes(model, world_size, fp8_ag, case.mp_bf16, rowwise)
     shard(model, case, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per_step = []
@@ -96,7 +100,18 @@ FP8_AG = BASE
 FP8_NO_PRECOMPUTE = replace(BASE, precompute=False)
 DELAYED = replace(BASE, scaling="delayed")
 PRECOMPUTE_8_LAYERS = replace(BASE, n_layers=8)
-CASES = [BF16, FP8_AG_BF16, FP8_AG, FP8_NO_PRECOMPUTE, DELAYED, PRECOMPUTE_8_LAYERS]
+ROWWISE = replace(BASE, recipe="rowwise", precompute=False)
+ROWWISE_GW_HP = replace(BASE, recipe="rowwise_with_gw_hp", precompute=False)
+CASES = [
+    BF16,
+    FP8_AG_BF16,
+    FP8_AG,
+    FP8_NO_PRECOMPUTE,
+    DELAYED,
+    PRECOMPUTE_8_LAYERS,
+    ROWWISE,
+    ROWWISE_GW_HP,
+]
 
 
 def test_collective_bytes_and_counts(tmp_path):
@@ -106,7 +121,7 @@ def test_collective_bytes_and_counts(tmp_path):
 
     # bytes: forward gathers every group; with reshard_after_forward (root included in
     # torch 2.13) backward gathers every group again
-    for case in (BF16, FP8_AG_BF16, FP8_AG):
+    for case in (BF16, FP8_AG_BF16, FP8_AG, ROWWISE, ROWWISE_GW_HP):
         r = by_case[case]
         exp = r["expected"]
         for s in r["steps"]:
@@ -127,6 +142,11 @@ def test_collective_bytes_and_counts(tmp_path):
                 0,
                 1,
             ), case.name
+
+    # rowwise weights: row scales are local to the shard, no amax collective at all
+    for case in (ROWWISE, ROWWISE_GW_HP):
+        for s in by_case[case]["steps"]:
+            assert sum(s[phase]["all_reduce"] for phase in ("fwd", "bwd", "post")) == 0
 
     # without precompute: one amax all-reduce per float8 weight per all-gather
     n_fp8 = 7 * FP8_NO_PRECOMPUTE.n_layers  # wq wk wv wo w1 w2 w3 per block

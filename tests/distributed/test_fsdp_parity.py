@@ -32,7 +32,8 @@ EXACT_CASES = [
     Case(model="mlp", scaling="delayed"),
     Case(model="mlp", scaling="static"),
     Case(scaling="dynamic", recipe="rowwise", fp8_all_gather=False),
-    Case(scaling="dynamic", recipe="rowwise_with_gw_hp", fp8_all_gather=False),
+    Case(scaling="dynamic", recipe="rowwise", fp8_all_gather=True),
+    Case(scaling="dynamic", recipe="rowwise_with_gw_hp", fp8_all_gather=True),
 ]
 MP_CASES = [
     Case(scaling="dynamic", mp_bf16=True, fp8_all_gather=False),

@@ -73,13 +73,26 @@ def test_stateful_operand_needs_one_scaling_type_for_both_uses() -> None:
         )
 
 
-@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
-def test_fsdp_float8_all_gather_needs_tensorwise_weight(recipe: str) -> None:
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True needs") as info:
-        Float8LinearConfig.from_recipe_name(recipe, enable_fsdp_float8_all_gather=True)
-    message = str(info.value)
-    assert "dynamic/axiswise" in message and "'tensorwise' recipe" in message
-    assert Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fsdp_float8_all_gather_works_with_every_recipe(recipe: str) -> None:
+    assert Float8LinearConfig.from_recipe_name(recipe, enable_fsdp_float8_all_gather=True)
+
+
+def test_fsdp_float8_all_gather_refusals() -> None:
+    with pytest.raises(ValueError, match="float8 weight in both weight GEMMs"):
+        Float8LinearConfig(
+            enable_fsdp_float8_all_gather=True,
+            cast_config_weight=CastConfig(scaling_type="disabled"),
+            cast_config_input=CastConfig(scaling_type="disabled"),
+            cast_config_grad_output=CastConfig(scaling_type="disabled"),
+        )
+    with pytest.raises(ValueError, match="share the scaling type"):
+        Float8LinearConfig(
+            enable_fsdp_float8_all_gather=True,
+            cast_config_weight=AXIS,
+            cast_config_input=AXIS,
+            cast_config_weight_for_grad_input=CastConfig(scaling_type="static", static_scale=2.0),
+        )
 
 
 def test_fsdp_float8_all_gather_needs_one_weight_cast() -> None:
