@@ -1,0 +1,360 @@
+"""Float8 pretraining of the Llama-style workload model under FSDP2.
+
+Run from the repository root:
+
+    torchrun --standalone --nproc_per_node 2 -m scripts.train        # = make train (CPU, tiny)
+    torchrun --standalone --nproc_per_node 2 -m scripts.train --recipe off   # bf16 baseline
+    torchrun --standalone --nproc_per_node 8 -m scripts.train --device cuda --preset small
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m scripts.train --device cuda --hsdp-replicate 2 ...          # multi-node HSDP
+
+Mental model of one step: fetch this rank's rows of the global batch -> forward/backward
+(FSDP2 all-gathers each block's weights, in float8 for converted linears with
+``--fp8-all-gather``) -> clip gradients -> one all-reduce of the loss and the stop flag, so
+all ranks agree whether to go on -> optimizer and LR step -> the float8 pass that follows an
+optimizer step (precompute the next all-gather's weight scales, or sync delayed-scaling
+histories). Float8 applies to the linears inside the blocks; the embedding, the output head
+and anything ``--float8-skip`` names stay in high precision.
+
+Outputs in ``--out``: ``metrics.jsonl`` (one line per step, see ``scripts/train_log.py``),
+``run.json`` (flags, world, conversion), ``summary.json``, ``checkpoints/step_*/`` (DCP;
+see ``scripts/checkpoint.py``). A run whose ``--out`` holds a checkpoint continues from it,
+which is also how a job restarted by ``torchrun --max-restarts N`` resumes. SIGTERM (or
+Ctrl-C) saves a checkpoint and exits 0; a non-finite loss stops with exit code 3 before the
+optimizer step, keeping the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8 import (
+    Float8LinearConfig,
+    ScalingType,
+    precompute_float8_dynamic_scale_for_fsdp,
+    sync_float8_amax_and_scale_history,
+)
+from fsdp_float8.comm_stats import CollectiveCounter
+from scripts.checkpoint import (
+    Checkpointer,
+    GracefulStop,
+    ModelOptimizerState,
+    ProgressState,
+    RNGState,
+    SchedulerState,
+    maybe_crash,
+    resume_source,
+)
+from scripts.data import TokenBatcher, ValidationBatches, load_tokens_from_args
+from scripts.model import flops_per_token, num_params
+from scripts.train_args import parse_args
+from scripts.train_log import (
+    MetricsFile,
+    Progress,
+    Stopwatch,
+    format_summary,
+    peak_flops,
+    peak_memory_bytes,
+    read_metrics,
+    summary,
+)
+from scripts.train_utils import (
+    Dist,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    check_vocab,
+    conversion_counts,
+    delayed_amaxes,
+    describe,
+    float8_config,
+    init_distributed,
+)
+
+EXIT_NON_FINITE = 3
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+class Trainer:
+    """Holds the run's objects; ``run()`` trains from the resumed step to ``--steps``."""
+
+    def __init__(self, args: argparse.Namespace, config: Float8LinearConfig | None, d: Dist):
+        self.args, self.config, self.d = args, config, d
+        self.out = Path(args.out)
+        torch.manual_seed(args.seed)
+        data = load_tokens_from_args(args)
+        layout = dict(seq_len=args.seq_len, global_batch=args.global_batch, rank=d.rank)
+        self.batcher = TokenBatcher(data.train, **layout, world_size=d.world_size, seed=args.seed)
+        self.val = ValidationBatches(
+            data.val, **layout, world_size=d.world_size, num_batches=args.val_batches
+        )
+        self.model, self.report = build_model(args, d, config)
+        check_vocab(data.vocab_size, self.model.args.vocab_size)
+        self.optimizer = build_optimizer(self.model, args)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.progress_state = ProgressState()
+        self.ckpt = Checkpointer(self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main)
+        self.delayed = config is not None and ScalingType.DELAYED in config.scaling_types()
+        self.precompute = bool(
+            config is not None
+            and args.precompute
+            and config.enable_fsdp_float8_all_gather
+            and args.scaling == "dynamic"
+        )
+        self.tokens_per_step = args.global_batch * args.seq_len
+        self.flops_per_token = flops_per_token(self.model.args, args.seq_len)
+        self.peak_flops = peak_flops(d.device, args.peak_tflops)
+        self.data_source = data.source
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "app": ModelOptimizerState(self.model, self.optimizer),
+            "scheduler": SchedulerState(self.scheduler),
+            "batcher": self.batcher,
+            "rng": RNGState(),
+            "progress": self.progress_state,
+        }
+
+    def resume(self) -> int:
+        """Load the checkpoint to resume from, if any; returns the step it was saved at."""
+        path = resume_source(self.args, self.ckpt)
+        if path is None:
+            return 0
+        try:
+            self.ckpt.load(path, self.state())
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise SystemExit(
+                f"could not load checkpoint {path}: {err}\nresume with the model and float8 "
+                f"flags it was saved with (see {self.out / 'run.json'}), or use another --out"
+            ) from None
+        step = self.progress_state.step
+        self.say(f"resumed from {path} at step {step} (world size {self.d.world_size})")
+        return step
+
+    def say(self, text: str) -> None:
+        if self.d.is_main:
+            print(text, flush=True)
+
+    def header(self, start_step: int) -> None:
+        a, d = self.args, self.d
+        counts = conversion_counts(self.model, self.report)
+        info = {
+            "args": vars(a),
+            "world_size": d.world_size,
+            "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape)),
+            "params": num_params(self.model, exclude_embedding=False),
+            **counts,
+            "float8_converted": self.report.converted if self.report else [],
+            "float8_skipped": self.report.skipped if self.report else {},
+            "data": self.data_source,
+        }
+        if d.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+        self.say(
+            f"{d.world_size} rank(s) on {d.device.type}, mesh {info['mesh']}; model "
+            f"{a.preset} {info['params']:,} params ({counts['float8_params']:,} in float8 "
+            f"linears); {self.tokens_per_step:,} tokens/step; data {self.data_source}"
+        )
+        self.say(f"config: {describe(a)}")
+        self.say(str(self.report) if self.report else "float8: off (high-precision baseline)")
+        self.say(f"out: {self.out}  (from step {start_step} to {a.steps})")
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs.to(self.d.device))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.d.device).flatten())
+
+    def train_step(self, step: int, stop: GracefulStop) -> tuple[dict, bool]:
+        """One optimizer step; returns its metrics record and whether to stop after it."""
+        a = self.args
+        measure = a.comm_every > 0 and step % a.comm_every == 0
+        counter = CollectiveCounter() if measure else None
+        inputs, targets = next(self.batcher)
+        timer = Stopwatch()
+        with counter if counter is not None else nullcontext():
+            loss = self.loss_of(inputs, targets)
+            if step == a.nan_at_step:  # test hook
+                loss = loss * float("nan")
+            loss.backward()
+            grad_norm = self.clip_gradients()
+            loss_value, stop_requested = self.agree(loss, stop)
+            if not (_finite(loss_value) and _finite(grad_norm)):
+                raise NonFiniteLoss(f"loss {loss_value}, grad norm {grad_norm}")
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.after_optimizer_step()
+        if self.d.device.type == "cuda":
+            torch.cuda.synchronize(self.d.device)
+        seconds = timer.elapsed()
+        record = self.record(step, loss_value, grad_norm, seconds, counter)
+        return record, stop_requested
+
+    def clip_gradients(self) -> float:
+        max_norm = self.args.grad_clip if self.args.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return norm.item()
+
+    def agree(self, loss: torch.Tensor, stop: GracefulStop) -> tuple[float, bool]:
+        """One all-reduce: the global mean loss, and whether any rank was asked to stop."""
+        flag = 1.0 if stop.requested else 0.0
+        both = torch.stack([loss.detach().float(), loss.new_tensor(flag, dtype=torch.float32)])
+        dist.all_reduce(both)  # SUM (gloo has no AVG)
+        return both[0].item() / self.d.world_size, both[1].item() > 0
+
+    def after_optimizer_step(self) -> None:
+        if self.delayed:
+            sync_float8_amax_and_scale_history(self.model)
+        elif self.precompute:
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+
+    def record(self, step, loss, grad_norm, seconds, counter) -> dict:
+        tokens_per_s = self.tokens_per_step / seconds
+        mfu = None
+        if self.peak_flops:
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.d.world_size)
+        comm = {"all_gather_bytes": None, "all_gather_count": None}
+        comm |= {"reduce_scatter_bytes": None, "all_reduce_bytes": None}
+        if counter is not None:
+            comm = {
+                "all_gather_bytes": counter.bytes("all_gather"),
+                "all_gather_count": counter.count("all_gather"),
+                "reduce_scatter_bytes": counter.bytes("reduce_scatter"),
+                "all_reduce_bytes": counter.bytes("all_reduce"),
+            }
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": seconds,
+            **comm,
+            "peak_memory_bytes": peak_memory_bytes(self.d.device),
+            "mfu": mfu,
+        }
+
+    # ---- validation and checkpoints ----------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token loss over the fixed validation batches (all ranks together)."""
+        self.model.eval()
+        saved = delayed_amaxes(self.model)  # eval must not feed the training amax history
+        total = torch.zeros(2, dtype=torch.float64, device=self.d.device)
+        for inputs, targets in self.val:
+            logits = self.model(inputs.to(self.d.device)).float()
+            total[0] += F.cross_entropy(
+                logits.flatten(0, 1), targets.to(self.d.device).flatten(), reduction="sum"
+            )
+            total[1] += targets.numel()
+        dist.all_reduce(total)
+        for buf, value in saved:
+            buf.copy_(value)
+        self.model.train()
+        return (total[0] / total[1]).item()
+
+    def save(self, step: int, progress: Progress) -> None:
+        timer = Stopwatch()
+        path = self.ckpt.save(step, self.state())
+        progress.message(f"step {step}: saved checkpoint {path} ({timer.elapsed():.1f} s)")
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self) -> int:
+        start = self.resume()
+        self.header(start)
+        metrics = MetricsFile(self.out / "metrics.jsonl", enabled=self.d.is_main, resume_step=start)
+        if start >= self.args.steps:
+            self.say(f"nothing to do: the run in {self.out} is at step {start}/{self.args.steps}")
+            return self.finish(start)
+        if self.precompute:
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
+        progress = Progress(self.args.steps, enabled=self.d.is_main, log_every=self.args.log_every)
+        with GracefulStop() as stop:
+            code = self.loop(start, metrics, progress, stop)
+        progress.close()
+        return code
+
+    def loop(self, start: int, metrics: MetricsFile, progress: Progress, stop) -> int:
+        a = self.args
+        for step in range(start + 1, a.steps + 1):
+            try:
+                record, stop_requested = self.train_step(step, stop)
+            except NonFiniteLoss as err:
+                return self.non_finite(step, str(err), progress)
+            self.progress_state.step = step
+            self.progress_state.tokens += self.tokens_per_step
+            last = step == a.steps
+            if a.val_every > 0 and (step % a.val_every == 0 or last):
+                record["val_loss"] = self.validate()
+                progress.message(f"step {step}: val loss {record['val_loss']:.4f}")
+            metrics.write(record)
+            progress.step(record)
+            early = stop_requested or step == a.stop_at_step
+            if last or early or (a.ckpt_every > 0 and step % a.ckpt_every == 0):
+                self.save(step, progress)
+            maybe_crash(step, a.crash_at_step, self.d.rank, self.d.world_size, self.out)
+            if early:
+                why = f"signal {stop.signal_name}" if stop_requested else "--stop-at-step"
+                progress.message(f"stopped after step {step} ({why}); rerun to resume")
+                return 0
+        return self.finish(a.steps)
+
+    def non_finite(self, step: int, what: str, progress: Progress) -> int:
+        latest = self.ckpt.latest()
+        progress.message(
+            f"error: non-finite training values at step {step} ({what}); stopped before the "
+            f"optimizer step. Last good checkpoint: {latest or 'none'}. Lower --lr, set "
+            "--grad-clip, or use --recipe off to check whether float8 is the cause."
+        )
+        return EXIT_NON_FINITE
+
+    def finish(self, step: int) -> int:
+        if self.d.is_main:
+            records = read_metrics(self.out / "metrics.jsonl")
+            extra = {"config": describe(self.args), "wall_time_s": _wall_time(records)}
+            s = summary(records, extra)
+            (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+            print(f"summary ({self.out / 'summary.json'}):\n{format_summary(s)}", flush=True)
+        return 0
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _wall_time(records: list[dict]) -> float:
+    return sum(r["step_time_s"] for r in records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = float8_config(args)  # refuse bad flag combinations before starting anything
+    d = init_distributed(args.device, args.hsdp_replicate)
+    try:
+        return Trainer(args, config, d).run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

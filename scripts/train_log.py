@@ -1,0 +1,199 @@
+"""What ``scripts/train.py`` shows and records (rank 0 only).
+
+- ``MetricsFile``: ``OUT/metrics.jsonl``, one JSON object per training step (see
+  ``STEP_FIELDS``); a step that ran validation also carries ``val_loss``. On resume the
+  lines after the resumed step are dropped, so the file always holds each step once.
+- ``Progress``: one live line per step on a terminal (``\\r``), otherwise a line every
+  ``log_every`` steps, so that log files stay readable.
+- ``summary``/``format_summary``: the end-of-run table, also written to ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEP_FIELDS = (
+    "step",  # 1-based, the optimizer steps done
+    "loss",  # mean training loss over the global batch
+    "lr",
+    "grad_norm",  # before clipping
+    "tokens_per_s",  # global tokens / step_time_s
+    "step_time_s",
+    "all_gather_bytes",  # this rank's all-gather input bytes in the step (None: not measured)
+    "all_gather_count",
+    "reduce_scatter_bytes",
+    "all_reduce_bytes",
+    "peak_memory_bytes",  # rank 0: CUDA max_memory_allocated, or the process's max RSS
+    "mfu",  # CUDA only: model FLOPs utilization against the bf16 dense peak
+)
+
+# bf16 dense peak FLOP/s per GPU, matched against torch.cuda.get_device_name()
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
+
+
+class MetricsFile:
+    def __init__(self, path: Path, *, enabled: bool, resume_step: int) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step > 0 and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
+                    kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
+    """Per-device bf16 dense peak for MFU; None on CPU or an unknown GPU."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+class Progress:
+    """Rank-0 progress line: step/total, loss, tokens/s, ETA from recent step times."""
+
+    def __init__(self, total: int, *, enabled: bool, log_every: int) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.log_every = max(1, log_every)
+        self.live = enabled and sys.stdout.isatty()
+        self.recent: list[float] = []
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.recent = (self.recent + [record["step_time_s"]])[-20:]
+        if not self.enabled:
+            return
+        step = record["step"]
+        eta = sum(self.recent) / len(self.recent) * (self.total - step)
+        line = (
+            f"step {step:>{len(str(self.total))}}/{self.total} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"{record['step_time_s']:.3f} s/step | ETA {fmt_duration(eta)}"
+        )
+        if self.live:
+            print("\r" + line, end="", flush=True)
+        elif step % self.log_every == 0 or step in (1, self.total):
+            print(line, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line of its own (validation, checkpoint), not overwritten by the next step."""
+        if self.enabled:
+            print(("\n" if self.live else "") + text, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.live:
+            print(flush=True)
+
+
+def summary(records: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    """End-of-run figures from the step records (the first steps, which include warm-up
+    and compilation, are left out of the speed averages when there are enough steps)."""
+    if not records:
+        return dict(extra)
+    skip = min(2, len(records) - 1)
+    timed = records[skip:]
+    measured = [r["all_gather_bytes"] for r in records if r.get("all_gather_bytes") is not None]
+    rs = [r["reduce_scatter_bytes"] for r in records if r.get("reduce_scatter_bytes") is not None]
+    vals = [r for r in records if "val_loss" in r]
+    last = records[-10:]
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {
+        **extra,
+        "steps": records[-1]["step"],
+        "final_loss": records[-1]["loss"],
+        "final_loss_avg10": sum(r["loss"] for r in last) / len(last),
+        "val_loss": vals[-1]["val_loss"] if vals else None,
+        "val_step": vals[-1]["step"] if vals else None,
+        "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
+        "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
+        "all_gather_bytes_per_step": sum(measured) / len(measured) if measured else None,
+        "reduce_scatter_bytes_per_step": sum(rs) / len(rs) if rs else None,
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
+        "mfu": sum(mfus) / len(mfus) if mfus else None,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    def num(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    rows = [
+        ("config", s.get("config", "-")),
+        ("steps", num(s.get("steps"), "d")),
+        ("final train loss (last / avg of 10)", _pair(s)),
+        ("val loss", num(s.get("val_loss"), ".4f") + _at(s.get("val_step"))),
+        ("tokens/s (global)", num(s.get("tokens_per_s"), ",.0f")),
+        ("step time", num(s.get("step_time_s"), ".3f") + " s"),
+        ("all-gather bytes/step (rank 0)", fmt_bytes(s.get("all_gather_bytes_per_step"))),
+        ("reduce-scatter bytes/step (rank 0)", fmt_bytes(s.get("reduce_scatter_bytes_per_step"))),
+        ("peak memory (rank 0)", fmt_bytes(s.get("peak_memory_bytes"))),
+        ("MFU", "-" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"),
+        ("wall time", fmt_duration(s.get("wall_time_s", float("nan")))),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _pair(s: dict[str, Any]) -> str:
+    if s.get("final_loss") is None:
+        return "-"
+    return f"{s['final_loss']:.4f} / {s['final_loss_avg10']:.4f}"
+
+
+def _at(step: int | None) -> str:
+    return "" if step is None else f" (step {step})"
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
