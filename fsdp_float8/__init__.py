@@ -28,6 +28,8 @@ from fsdp_float8.fsdp import (
 )
 from fsdp_float8.linear import Float8Linear
 from fsdp_float8.numerics import sqnr_db
+from fsdp_float8.reduce_scatter import Float8ReduceScatter, enable_float8_reduce_scatter
+from fsdp_float8.telemetry import Float8Telemetry
 from fsdp_float8.weight_wrappers import (
     DelayedFloat8Weight,
     DynamicFloat8Weight,
@@ -54,6 +56,8 @@ __all__ = [
     "Float8GemmConfig",
     "Float8Linear",
     "Float8LinearConfig",
+    "Float8ReduceScatter",
+    "Float8Telemetry",
     "Float8Tensor",
     "Gemm",
     "Operand",
@@ -61,6 +65,7 @@ __all__ = [
     "ScalingType",
     "StaticFloat8Weight",
     "convert_to_float8_training",
+    "enable_float8_reduce_scatter",
     "hp_to_float8",
     "precompute_float8_dynamic_scale_for_fsdp",
     "scaled_mm",
