@@ -25,7 +25,6 @@ from fsdp_float8.config import (
     Gemm,
     Operand,
     ScalingGranularity,
-    ScalingType,
 )
 from fsdp_float8.float8_ops import scaled_mm_data
 from fsdp_float8.float8_tensor import Float8Tensor
@@ -176,7 +175,7 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
 
 
 def _short(cfg) -> str:
-    if cfg.scaling_type is ScalingType.DISABLED:
+    if not cfg.enabled:
         return "hp"
     gran = "tw" if cfg.scaling_granularity is ScalingGranularity.TENSORWISE else "aw"
     return f"{cfg.scaling_type.value[:3]}_{gran}"

@@ -1,0 +1,36 @@
+"""One home per concept (DESIGN.md): the package keeps its collectives and hooks in place.
+
+- `all_reduce` is called only by amax_sync.py (comm_stats only names ops it counts);
+- FSDP2's all-gather hooks are defined only under weight_wrappers/;
+- an if/elif over ScalingType lives only in config.py (the words -> strategies map).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_float8"
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(PACKAGE)): p.read_text() for p in PACKAGE.rglob("*.py")}
+
+
+def test_all_reduce_is_called_only_by_amax_sync():
+    callers = [f for f, text in _sources().items() if re.search(r"\ball_reduce\(", text)]
+    assert callers == ["amax_sync.py"]
+
+
+def test_fsdp_hooks_live_in_weight_wrappers():
+    homes = [
+        f for f, text in _sources().items() if re.search(r"def fsdp_(pre|post)_all_gather", text)
+    ]
+    assert homes and all(f.startswith("weight_wrappers/") for f in homes), homes
+
+
+def test_scaling_type_branches_only_in_config():
+    branching = [
+        f for f, text in _sources().items() if re.search(r"(if|elif) .*ScalingType\.\w+", text)
+    ]
+    assert set(branching) <= {"config.py"}, branching
