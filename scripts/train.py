@@ -111,6 +111,7 @@ class Trainer:
             config is not None
             and args.precompute
             and config.enable_fsdp_float8_all_gather
+            and args.recipe == "tensorwise"  # rowwise weight scales are shard-local
             and args.scaling == "dynamic"
         )
         self.tokens_per_step = args.global_batch * args.seq_len
@@ -331,7 +332,7 @@ class Trainer:
     def finish(self, step: int) -> int:
         if self.d.is_main:
             records = read_metrics(self.out / "metrics.jsonl")
-            extra = {"config": describe(self.args), "wall_time_s": _wall_time(records)}
+            extra = {"config": describe(self.args), "train_time_s": _train_time(records)}
             s = summary(records, extra)
             (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
             print(f"summary ({self.out / 'summary.json'}):\n{format_summary(s)}", flush=True)
@@ -342,7 +343,7 @@ def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
 
-def _wall_time(records: list[dict]) -> float:
+def _train_time(records: list[dict]) -> float:
     return sum(r["step_time_s"] for r in records)
 
 

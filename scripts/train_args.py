@@ -52,15 +52,15 @@ def _float8_args(g) -> None:
         "--fp8-all-gather",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="FSDP2 all-gathers converted weights in float8 (default: on for tensorwise; "
-        "not supported with rowwise recipes)",
+        help="FSDP2 all-gathers converted weights in float8 (default: on for tensorwise, "
+        "off for the rowwise recipes unless asked for)",
     )
     g.add_argument(
         "--precompute",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="one batched amax all-reduce per step for the float8 all-gather's weight "
-        "scales (dynamic scaling with --fp8-all-gather only)",
+        "scales (tensorwise dynamic scaling with --fp8-all-gather only)",
     )
     g.add_argument("--delayed-history", type=int, default=16, help="amax history length")
     g.add_argument(
@@ -96,7 +96,7 @@ def _parallel_args(g) -> None:
 
 
 def _optim_args(g) -> None:
-    g.add_argument("--steps", type=int, default=150)
+    g.add_argument("--steps", type=int, default=100)
     g.add_argument("--global-batch", type=int, default=16, help="sequences per step")
     g.add_argument("--seq-len", type=int, default=128)
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -114,13 +114,15 @@ def _optim_args(g) -> None:
 def _run_args(g) -> None:
     g.add_argument("--out", default="runs/train", help="metrics, summary and checkpoints")
     g.add_argument("--log-every", type=int, default=10, help="progress line (non-terminal)")
-    g.add_argument("--val-every", type=int, default=50, help="0: no validation")
+    g.add_argument("--val-every", type=int, default=25, help="0: no validation")
     g.add_argument("--val-batches", type=int, default=4)
     g.add_argument(
         "--comm-every",
         type=int,
         default=None,
-        help="count collectives every N steps (default: 1 on CPU, 10 on CUDA); 0: never",
+        help="count collectives every N steps (default: 1 on CPU, 10 on CUDA, 0 with "
+        "--compile: the counter is a TorchDispatchMode, under which compiled blocks run "
+        "eagerly); 0: never",
     )
     g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
     g.add_argument("--ckpt-every", type=int, default=50, help="0: only at the end")
@@ -149,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.comm_every is None:
-        args.comm_every = 10 if args.device == "cuda" else 1
+        args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
     for name in ("steps", "global_batch", "seq_len", "keep_ckpts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

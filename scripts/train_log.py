@@ -151,7 +151,9 @@ def summary(records: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, A
         "final_loss_avg10": sum(r["loss"] for r in last) / len(last),
         "val_loss": vals[-1]["val_loss"] if vals else None,
         "val_step": vals[-1]["step"] if vals else None,
-        "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
+        # total tokens / total time (a mean of per-step rates would favour fast steps)
+        "tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in timed)
+        / sum(r["step_time_s"] for r in timed),
         "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
         "all_gather_bytes_per_step": sum(measured) / len(measured) if measured else None,
         "reduce_scatter_bytes_per_step": sum(rs) / len(rs) if rs else None,
@@ -175,7 +177,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("reduce-scatter bytes/step (rank 0)", fmt_bytes(s.get("reduce_scatter_bytes_per_step"))),
         ("peak memory (rank 0)", fmt_bytes(s.get("peak_memory_bytes"))),
         ("MFU", "-" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"),
-        ("wall time", fmt_duration(s.get("wall_time_s", float("nan")))),
+        ("time in training steps", fmt_duration(s.get("train_time_s", float("nan")))),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -307,7 +307,7 @@ def describe(a: argparse.Namespace) -> str:
         parts = [f"{a.recipe}/{a.scaling}"]
         all_gather = a.fp8_all_gather if a.fp8_all_gather is not None else a.recipe == "tensorwise"
         parts.append("fp8-all-gather" if all_gather else "hp-all-gather")
-        if all_gather and a.scaling == "dynamic":
+        if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
             parts.append("precompute" if a.precompute else "no-precompute")
     parts.append(a.mixed_precision)
     if a.hsdp_replicate > 1:

@@ -100,7 +100,7 @@ def _record(step: int, loss: float, **extra) -> dict:
 def test_summary_and_table() -> None:
     records = [_record(s, 5.0 - s) for s in range(1, 5)]
     records[-1]["val_loss"] = 1.5
-    s = summary(records, {"config": "x", "wall_time_s": 4.0})
+    s = summary(records, {"config": "x", "train_time_s": 4.0})
     assert s["final_loss"] == 1.0 and s["val_loss"] == 1.5 and s["val_step"] == 4
     assert s["tokens_per_s"] == pytest.approx(350.0)  # steps 1-2 left out of the speed
     assert s["peak_memory_bytes"] == 40 and s["all_gather_bytes_per_step"] == 1024
