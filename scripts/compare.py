@@ -121,7 +121,8 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> bool:
-    """Train loss per step (and validation points) for every run; False without matplotlib."""
+    """Train loss per step (validation as dots) and, below, each run's train loss minus the
+    bf16 run's at the same step (the curves overlap at this scale); False without matplotlib."""
     try:
         import matplotlib
 
@@ -134,22 +135,34 @@ def plot(results: list[dict], path: Path) -> bool:
             flush=True,
         )
         return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
-        if "metrics" not in r:
-            continue
-        steps = [m["step"] for m in r["metrics"]]
-        line = ax.plot(steps, [m["loss"] for m in r["metrics"]], label=r["name"], lw=1)[0]
-        val = [(m["step"], m["val_loss"]) for m in r["metrics"] if "val_loss" in m]
-        if val:
-            ax.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8)
-    ax.set(xlabel="step", ylabel="loss (train: line, validation: dots)", yscale="log")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(2, 1))
+    base = next((r for r in results if r["name"] == BASELINE and "metrics" in r), None)
+    base_loss = {m["step"]: m["loss"] for m in base["metrics"]} if base else {}
+    for r in (r for r in results if "metrics" in r):
+        _plot_run(top, bottom, r, base_loss)
+    top.set(ylabel="loss (train: line, validation: dots)", yscale="log")
+    bottom.set(xlabel="step", ylabel=f"train loss - {BASELINE}")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _plot_run(top, bottom, result: dict, base_loss: dict[int, float]) -> None:
+    metrics = result["metrics"]
+    steps = [m["step"] for m in metrics]
+    line = top.plot(steps, [m["loss"] for m in metrics], label=result["name"], lw=1)[0]
+    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    if val:
+        top.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8)
+    diff = [
+        (m["step"], m["loss"] - base_loss[m["step"]]) for m in metrics if m["step"] in base_loss
+    ]
+    if diff:
+        bottom.plot(*zip(*diff), color=line.get_color(), lw=1)
 
 
 def main(argv: list[str] | None = None) -> int:
