@@ -247,7 +247,21 @@ class Float8Linear(nn.Linear):
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
+        if any(old.is_meta and not self._buffers[n].is_meta for n, old in saved.items()):
+            self.reset_delayed_state()  # to_empty() after meta init: fresh, not garbage
         return out
+
+    @torch.no_grad()
+    def reset_delayed_state(self) -> None:
+        """Delayed-scaling buffers back to their initial values (no history yet)."""
+        for op in self.delayed_operands():
+            state = self.delayed_state(op)
+            state.amax.zero_()
+            state.amax_history.zero_()
+            state.scale.fill_(1.0)
+            state.initialized.fill_(False)
+        self.delayed_ready = False
+        self._forwards_since_sync = 0
 
     def _states(self) -> dict:
         states: dict = {op: self.delayed_state(op) for op in self.delayed_operands()}

@@ -74,7 +74,6 @@ from scripts.train_utils import (
     build_scheduler,
     check_vocab,
     conversion_counts,
-    delayed_amaxes,
     describe,
     float8_config,
     init_distributed,
@@ -259,7 +258,6 @@ class Trainer:
     def validate(self) -> float:
         """Mean token loss over the fixed validation batches (all ranks together)."""
         self.model.eval()
-        saved = delayed_amaxes(self.model)  # eval must not feed the training amax history
         total = torch.zeros(2, dtype=torch.float64, device=self.d.device)
         for inputs, targets in self.val:
             logits = self.model(inputs.to(self.d.device)).float()
@@ -268,8 +266,6 @@ class Trainer:
             )
             total[1] += targets.numel()
         dist.all_reduce(total)
-        for buf, value in saved:
-            buf.copy_(value)
         self.model.train()
         return (total[0] / total[1]).item()
 

@@ -30,7 +30,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from fsdp_float8 import (
     CastConfig,
     DelayedScalingConfig,
-    Float8Linear,
     Float8LinearConfig,
     convert_to_float8_training,
 )
@@ -223,24 +222,8 @@ def build_model(
         fully_shard(block, mesh=d.mesh, mp_policy=mp)
     fully_shard(model, mesh=d.mesh, mp_policy=mp)
     model.to_empty(device=d.device)
-    model.init_weights(args.seed)
-    _reset_delayed_buffers(model)
+    model.init_weights(args.seed)  # Float8Linear resets its delayed buffers in to_empty
     return model, report
-
-
-@torch.no_grad()
-def _reset_delayed_buffers(model: nn.Module) -> None:
-    # to_empty leaves the delayed-scaling buffers (built on meta) uninitialized: give them
-    # the values a fresh Float8Linear has (no history yet, scale 1, not initialized)
-    for module in model.modules():
-        if isinstance(module, Float8Linear):
-            for op in module.delayed_operands():
-                state = module.delayed_state(op)
-                state.amax.zero_()
-                state.amax_history.zero_()
-                state.scale.fill_(1.0)
-                state.initialized.fill_(False)
-            module.delayed_ready = False
 
 
 def _wrap_blocks(model: Transformer, args: argparse.Namespace) -> None:
@@ -322,13 +305,3 @@ def check_vocab(data_vocab: int | None, model_vocab: int) -> None:
             f"the data has a vocabulary of {data_vocab} but the model's is {model_vocab}; "
             "pick a --preset whose vocab_size covers the data"
         )
-
-
-def delayed_amaxes(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    saved = []
-    for module in model.modules():
-        if isinstance(module, Float8Linear):
-            for op in module.delayed_operands():
-                amax = module.delayed_state(op).amax
-                saved.append((amax, amax.clone()))
-    return saved

@@ -16,6 +16,7 @@ from fsdp_float8 import (
     Float8Linear,
     Float8LinearConfig,
     Operand,
+    convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.config import E4M3, E5M2
@@ -224,3 +225,17 @@ def test_warm_up_helper_makes_delayed_ready() -> None:
     warm_up(mod, steps=2)
     assert mod.delayed_ready and (mod.fp8_amax_history_input[:2] > 0).all()
     assert mod.fp8_amax_history_input[2:].eq(0).all()
+
+
+def test_meta_init_then_to_empty_gives_fresh_delayed_buffers() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 48))
+    config = make_config("tensorwise", "delayed")
+    convert_to_float8_training(model, config=config)
+    model.to_empty(device="cpu")
+    layer = model[0]
+    for op in layer.delayed_operands():
+        state = layer.delayed_state(op)
+        assert state.amax.item() == 0 and not state.initialized.item()
+        assert torch.equal(state.amax_history, torch.zeros_like(state.amax_history))
+        assert state.scale.item() == 1.0
