@@ -50,6 +50,12 @@ PRIMARY_GEMM: dict[Operand, Gemm] = {
     Operand.WEIGHT: Gemm.OUTPUT,
     Operand.GRAD_OUTPUT: Gemm.GRAD_INPUT,
 }
+# Its second use, in backward.
+SECOND_GEMM: dict[Operand, Gemm] = {
+    Operand.INPUT: Gemm.GRAD_WEIGHT,
+    Operand.WEIGHT: Gemm.GRAD_INPUT,
+    Operand.GRAD_OUTPUT: Gemm.GRAD_WEIGHT,
+}
 # The dim of the operand's 2-D form that the GEMM contracts over: input (M, K),
 # weight (N, K), grad_output (M, N). Axiswise scales reduce over this dim.
 CONTRACTION_DIM: dict[tuple[Gemm, Operand], int] = {
@@ -258,9 +264,7 @@ class Float8LinearConfig:
 
     @staticmethod
     def second_gemm(operand: Operand) -> Gemm:
-        return next(
-            g for g, ops in GEMM_OPERANDS.items() if operand in ops and g != PRIMARY_GEMM[operand]
-        )
+        return SECOND_GEMM[operand]
 
     def cast(self, operand: Operand, gemm: Gemm) -> CastConfig:
         cfg = getattr(self, _OPERAND_FIELD[(operand, gemm)])

@@ -59,8 +59,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, *, group: Group = None)
     histories, update the scales. `group` defaults to the mesh of the model's FSDP2
     parameters (none: a single process). Returns the number of operands updated."""
     group = group if group is not None else _mesh_of(model)
+    # only layers that ran a training forward since the last sync have amaxes to reduce: a
+    # sync before the first forward (or of an unused layer) must not turn "no amax" into a
+    # scale. Every rank runs the same layers, so every rank reduces the same vector.
     entries = [
-        (m, op, m.delayed_state(op)) for m in _float8_linears(model) for op in m.delayed_operands()
+        (m, op, m.delayed_state(op))
+        for m in _float8_linears(model)
+        if m.forwards_since_sync > 0
+        for op in m.delayed_operands()
     ]
     if not entries:
         return 0

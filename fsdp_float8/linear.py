@@ -21,6 +21,7 @@ from fsdp_float8.config import (
     CONTRACTION_DIM,
     GEMM_OPERANDS,
     PRIMARY_GEMM,
+    SECOND_GEMM,
     Float8LinearConfig,
     Gemm,
     Operand,
@@ -139,29 +140,49 @@ class _Float8LinearFn(torch.autograd.Function):
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype)
         saved_x = x_fp8 if save_input_in_float8 else (x2, None)
-        ctx.save_for_backward(*saved_x, weight)
+        # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
+        # without another amax pass, and without recording delayed amaxes twice
+        # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
+        w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
+        ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale)
         ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_data, x_scale, weight = ctx.saved_tensors
+        x_data, x_saved_scale, weight, x_scale, w_scale = ctx.saved_tensors
         plan, states = ctx.plan, ctx.states
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
-        w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
+        if isinstance(weight, Float8Tensor) or not _shared(plan, Operand.WEIGHT):
+            w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
+        else:
+            w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
         grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype)
-        if plan.shares_cast(Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, Gemm.GRAD_WEIGHT):
+        if _shared(plan, Operand.GRAD_OUTPUT):
             go_gw = go_fp8
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
-        if x_scale is not None:
-            x_gw = (x_data, x_scale)  # saved in float8 (save_input_in_float8)
+        if x_saved_scale is not None:
+            x_gw = (x_data, x_saved_scale)  # saved in float8 (save_input_in_float8)
+        elif _shared(plan, Operand.INPUT):
+            x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
         else:
             x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
+
+
+def _shared(plan: CastPlan, operand: Operand) -> bool:
+    first = PRIMARY_GEMM[operand]
+    return plan.shares_cast(operand, first, SECOND_GEMM[operand])
+
+
+def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:
+    """The same cast as in forward (same tensorwise scale and dtype), without a new amax."""
+    dtype = plan.dtypes[(operand, PRIMARY_GEMM[operand])]
+    return cast_to_float8_data(hp, scale, dtype), scale
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
@@ -224,6 +245,10 @@ class Float8Linear(nn.Linear):
             self.register_buffer(
                 f"fp8_initialized_{op.value}", torch.zeros((), dtype=torch.bool, device=device)
             )
+
+    @property
+    def forwards_since_sync(self) -> int:
+        return self._forwards_since_sync
 
     def mark_delayed_synced(self) -> None:
         self._forwards_since_sync = 0

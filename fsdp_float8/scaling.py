@@ -40,8 +40,7 @@ def amax_to_scale(
 
 def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     """Exact: keep the sign and exponent bits of the float32, zero the mantissa."""
-    bits = scale.contiguous().view(torch.int32) & torch.tensor(-(1 << 23), dtype=torch.int32)
-    return bits.view(torch.float32)
+    return (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
 
 
 def cast_to_float8_data(
@@ -60,13 +59,14 @@ class Granularity(Protocol):
 @dataclass(frozen=True)
 class Tensorwise:
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
-        return hp.abs().amax().to(torch.float32)
+        # inf-norm = max |x| in one pass (abs().amax() makes a full-size temporary in eager)
+        return torch.linalg.vector_norm(hp, float("inf")).to(torch.float32)
 
 
 @dataclass(frozen=True)
 class Axiswise:
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
-        return hp.abs().amax(dim=dim, keepdim=True).to(torch.float32)
+        return torch.linalg.vector_norm(hp, float("inf"), dim=dim, keepdim=True).to(torch.float32)
 
 
 class DelayedState(NamedTuple):
@@ -111,7 +111,7 @@ class DelayedScaling:
     def scale(self, hp, dim, float8_dtype, state=None):
         if state is None:
             raise ValueError("delayed scaling needs the module's DelayedState; got None")
-        amax = hp.detach().abs().amax().to(torch.float32)
+        amax = self.granularity.amax(hp.detach(), dim)
         self.record(state, amax)
         fresh = amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
         return torch.where(state.initialized, state.scale, fresh)

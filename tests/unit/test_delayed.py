@@ -239,3 +239,14 @@ def test_meta_init_then_to_empty_gives_fresh_delayed_buffers() -> None:
         assert state.amax.item() == 0 and not state.initialized.item()
         assert torch.equal(state.amax_history, torch.zeros_like(state.amax_history))
         assert state.scale.item() == 1.0
+
+
+def test_sync_before_the_first_forward_changes_nothing() -> None:
+    mod = _layer()
+    before = {n: b.clone() for n, b in mod.named_buffers()}
+    assert sync_float8_amax_and_scale_history(mod) == 0
+    assert not mod.delayed_ready
+    for name, buf in mod.named_buffers():
+        assert torch.equal(buf, before[name]), name
+    _step(mod, torch.randn(2, 64))  # a normal step after it still works
+    assert mod.delayed_ready and bool(mod.delayed_state(Operand.INPUT).initialized)

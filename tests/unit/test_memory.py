@@ -41,9 +41,10 @@ def test_float8_saved_input_halves_activation_memory(dtype):
     x = torch.randn(4, 64, 256, dtype=dtype, requires_grad=True)
     hp_bytes = _saved_activation_bytes(hp, x)
     fp8_bytes = _saved_activation_bytes(fp8, x)
-    assert hp_bytes == x.numel() * x.element_size()
+    scales = 16  # a few 0-d float32 scales (the forward's, reused by backward)
+    assert x.numel() * x.element_size() <= hp_bytes <= x.numel() * x.element_size() + scales
     assert fp8_bytes <= SAVED_RATIO_MAX * hp_bytes * (2 / x.element_size())
-    assert fp8_bytes == x.numel() + 4  # float8 data + one float32 scale
+    assert x.numel() <= fp8_bytes <= x.numel() + scales  # float8 data + scales
 
 
 def test_float8_saved_input_same_numerics_for_tensorwise():
