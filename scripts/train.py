@@ -39,11 +39,13 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8 import (
     Float8LinearConfig,
+    Float8Telemetry,
     ScalingType,
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.telemetry import append_jsonl
 from scripts.checkpoint import (
     Checkpointer,
     GracefulStop,
@@ -237,7 +239,10 @@ class Trainer:
             comm = {
                 "all_gather_bytes": counter.bytes("all_gather"),
                 "all_gather_count": counter.count("all_gather"),
-                "reduce_scatter_bytes": counter.bytes("reduce_scatter"),
+                # gradient reduction: FSDP2's reduce-scatter, or the all-to-all that
+                # --float8-reduce-scatter sends instead
+                "reduce_scatter_bytes": counter.bytes("reduce_scatter")
+                + counter.bytes("all_to_all"),
                 "all_reduce_bytes": counter.bytes("all_reduce"),
             }
         return {
@@ -285,6 +290,11 @@ class Trainer:
             return self.finish(start)
         if self.precompute:
             precompute_float8_dynamic_scale_for_fsdp(self.model)
+        self.telemetry = None
+        if self.config is not None and self.args.numerics_every > 0:
+            self.telemetry = Float8Telemetry(
+                self.model, every=self.args.numerics_every, start_step=start + 1
+            )
         progress = Progress(self.args.steps, enabled=self.d.is_main, log_every=self.args.log_every)
         with GracefulStop() as stop:
             code = self.loop(start, metrics, progress, stop)
@@ -305,6 +315,7 @@ class Trainer:
                 record["val_loss"] = self.validate()
                 progress.message(f"step {step}: val loss {record['val_loss']:.4f}")
             metrics.write(record)
+            self.log_numerics()
             progress.step(record)
             early = stop_requested or step == a.stop_at_step
             if last or early or (a.ckpt_every > 0 and step % a.ckpt_every == 0):
@@ -315,6 +326,16 @@ class Trainer:
                 progress.message(f"stopped after step {step} ({why}); rerun to resume")
                 return 0
         return self.finish(a.steps)
+
+    def log_numerics(self) -> None:
+        """Advance the telemetry; flush on every rank (its warnings name each rank's layers),
+        write rank 0's records to numerics.jsonl."""
+        if self.telemetry is None:
+            return
+        self.telemetry.step()
+        records = self.telemetry.flush()
+        if self.d.is_main and records:
+            append_jsonl(self.out / "numerics.jsonl", records)
 
     def non_finite(self, step: int, what: str, progress: Progress) -> int:
         latest = self.ckpt.latest()

@@ -79,6 +79,19 @@ def _float8_args(g) -> None:
     g.add_argument(
         "--emulate", action="store_true", help="emulated float8 GEMMs (GPUs without float8)"
     )
+    g.add_argument(
+        "--float8-reduce-scatter",
+        action="store_true",
+        help="reduce-scatter gradients in block-scaled float8 (one uint8 all-to-all)",
+    )
+    g.add_argument(
+        "--numerics-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sample per-layer float8 numerics (amax, scale, saturation, underflow) every N "
+        "steps into OUT/numerics.jsonl (0: off); plot with scripts.plot_numerics",
+    )
 
 
 def _parallel_args(g) -> None:

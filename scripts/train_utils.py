@@ -32,6 +32,7 @@ from fsdp_float8 import (
     DelayedScalingConfig,
     Float8LinearConfig,
     convert_to_float8_training,
+    enable_float8_reduce_scatter,
 )
 from fsdp_float8.convert import dims_divisible_by_16
 from scripts.model import Transformer, model_args
@@ -221,6 +222,8 @@ def build_model(
     for block in model.blocks:
         fully_shard(block, mesh=d.mesh, mp_policy=mp)
     fully_shard(model, mesh=d.mesh, mp_policy=mp)
+    if args.float8_reduce_scatter:
+        enable_float8_reduce_scatter(model)
     model.to_empty(device=d.device)
     model.init_weights(args.seed)  # Float8Linear resets its delayed buffers in to_empty
     return model, report

@@ -114,6 +114,27 @@ def test_float8_val_loss_within_2_percent_of_bf16(tmp_path: Path) -> None:
     assert math.isfinite(fp8) and abs(fp8 - bf16) / bf16 < 0.02
 
 
+def test_float8_reduce_scatter_val_loss_within_1_percent(tmp_path: Path) -> None:
+    """The default run with float8 gradient reduce-scatter against the same run with the
+    standard (fp32) reduce-scatter; also writes per-layer numerics telemetry."""
+    common = ("--steps", "100", "--val-every", "50", "--val-batches", "8", "--ckpt-every", "0")
+    results = {}
+    for name, flags in {
+        "std": (),
+        "fp8rs": ("--float8-reduce-scatter", "--numerics-every", "25"),
+    }.items():
+        out = tmp_path / name
+        command = [*torchrun_command(2), "-m", "scripts.train", "--out", str(out), *common, *flags]
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500)
+        assert done.returncode == 0, output_of(done)
+        results[name] = json.loads((out / "summary.json").read_text())
+    std, fp8rs = results["std"]["val_loss"], results["fp8rs"]["val_loss"]
+    print(f"val loss after 100 steps: fp32 reduce-scatter {std:.4f}, float8 {fp8rs:.4f}")
+    assert math.isfinite(fp8rs) and abs(fp8rs - std) / std < 0.01
+    numerics = [json.loads(line) for line in (tmp_path / "fp8rs" / "numerics.jsonl").open()]
+    assert {r["step"] for r in numerics} == {25, 50, 75, 100}
+
+
 def test_compare_writes_table_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "compare"
     command = [
