@@ -82,6 +82,8 @@ CONFIGS = (
     "float8_bf16_ag",
     "float8_ag",
     "float8_ag_precompute",
+    "float8_ag_precompute_fp8_saved",  # + linear inputs saved for backward in float8
+    "float8_ag_precompute_emulate",  # the same work as torchao's emulated CPU run
     "delayed",
     "torchao_float8_ag_precompute",
 )
@@ -136,7 +138,12 @@ def _float8_config(name: str) -> Float8LinearConfig:
             cast_config_grad_output=d,
             enable_fsdp_float8_all_gather=True,
         )
-    return Float8LinearConfig.from_recipe_name("tensorwise", enable_fsdp_float8_all_gather=True)
+    return Float8LinearConfig.from_recipe_name(
+        "tensorwise",
+        enable_fsdp_float8_all_gather=True,
+        save_input_in_float8=name.endswith("_fp8_saved"),
+        emulate=name.endswith("_emulate"),
+    )
 
 
 def _convert(name: str, model: nn.Module, device: torch.device):
@@ -157,7 +164,7 @@ def _convert(name: str, model: nn.Module, device: torch.device):
     convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=float8_filter)
     if name == "delayed":
         return sync_float8_amax_and_scale_history, False
-    if name == "float8_ag_precompute":
+    if name.startswith("float8_ag_precompute"):
         return precompute_float8_dynamic_scale_for_fsdp, True
     return None, False
 
