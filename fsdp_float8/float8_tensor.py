@@ -15,7 +15,6 @@ autograd and FSDP2 see a tensor of the parameter's dtype. Ops on it live in `flo
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from fsdp_float8.scaling import cast_to_float8_data
 
@@ -137,8 +136,3 @@ def hp_to_float8(
     if scale.dtype != torch.float32:
         raise TypeError(f"scale must be float32, got {scale.dtype}; torch._scaled_mm needs it")
     return _ToFloat8.apply(hp, scale, float8_dtype, emulate)
-
-
-def unwrap_float8(tree):
-    """Dequantize every Float8Tensor in a pytree (for ops that need high precision)."""
-    return tree_map_only(Float8Tensor, lambda t: t.dequantize(), tree)
