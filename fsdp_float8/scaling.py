@@ -60,13 +60,14 @@ class Granularity(Protocol):
 class Tensorwise:
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
         # inf-norm = max |x| in one pass (abs().amax() makes a full-size temporary in eager)
-        return torch.linalg.vector_norm(hp, float("inf")).to(torch.float32)
+        return torch.linalg.vector_norm(hp.detach(), float("inf")).to(torch.float32)
 
 
 @dataclass(frozen=True)
 class Axiswise:
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.linalg.vector_norm(hp, float("inf"), dim=dim, keepdim=True).to(torch.float32)
+        amax = torch.linalg.vector_norm(hp.detach(), float("inf"), dim=dim, keepdim=True)
+        return amax.to(torch.float32)  # scales carry no gradient
 
 
 class DelayedState(NamedTuple):
