@@ -15,10 +15,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.amax_sync import Group, reduce_amaxes
-from fsdp_float8.config import PRIMARY_GEMM
+from fsdp_float8.config import PRIMARY_GEMM, Operand
 from fsdp_float8.linear import Float8Linear
-from fsdp_float8.scaling import amax_to_scale
-from fsdp_float8.weight_wrappers import DynamicFloat8Weight
+from fsdp_float8.scaling import DelayedScaling, amax_to_scale
+from fsdp_float8.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
+from fsdp_float8.weight_wrappers.base import local_amax
 
 
 def _float8_linears(model: nn.Module) -> list[Float8Linear]:
@@ -57,17 +58,23 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> int:
 def sync_float8_amax_and_scale_history(model: nn.Module, *, group: Group = None) -> int:
     """Reduce all delayed amaxes across data-parallel ranks in one collective, roll the
     histories, update the scales. `group` defaults to the mesh of the model's FSDP2
-    parameters (none: a single process). Returns the number of operands updated."""
+    parameters (none: a single process). Returns the number of operands updated.
+
+    Called once before the first forward, it seeds every delayed weight's scale from the
+    weight itself (the same single collective), so the first step needs no per-weight
+    amax all-reduce; inputs and grad_outputs have no amax yet and are left alone."""
     group = group if group is not None else _mesh_of(model)
-    # only layers that ran a training forward since the last sync have amaxes to reduce: a
-    # sync before the first forward (or of an unused layer) must not turn "no amax" into a
-    # scale. Every rank runs the same layers, so every rank reduces the same vector.
-    entries = [
-        (m, op, m.delayed_state(op))
-        for m in _float8_linears(model)
-        if m.forwards_since_sync > 0
-        for op in m.delayed_operands()
-    ]
+    entries = []
+    for m in _float8_linears(model):
+        # only layers that ran a training forward since the last sync have amaxes to
+        # reduce: "no amax" must never become a scale. Every rank runs the same layers, so
+        # every rank reduces the same vector.
+        if m.forwards_since_sync > 0:
+            entries += [(m, op, m.delayed_state(op)) for op in m.delayed_operands()]
+        elif Operand.WEIGHT in m.delayed_operands() and not m.delayed_weight_ready:
+            state = m.delayed_state(Operand.WEIGHT)
+            DelayedScaling.record(state, local_amax(_local_hp_weight(m.weight)))
+            entries.append((m, Operand.WEIGHT, state))
     if not entries:
         return 0
     reduced = reduce_amaxes([s.amax for _, _, s in entries], group)
@@ -75,6 +82,14 @@ def sync_float8_amax_and_scale_history(model: nn.Module, *, group: Group = None)
         state.amax.copy_(amax)
         key = (op, PRIMARY_GEMM[op])
         m.plan.strategies[key].update(state, m.config.float8_dtype(*key))
-    for m in {id(m): m for m, _, _ in entries}.values():
-        m.mark_delayed_synced()
+    for m, _, _ in entries:
+        if m.forwards_since_sync > 0:
+            m.mark_delayed_synced()
+        else:
+            m.delayed_weight_ready = True
     return len(entries)
+
+
+def _local_hp_weight(weight: torch.Tensor) -> torch.Tensor:
+    local = weight._local_tensor if isinstance(weight, DTensor) else weight
+    return local._tensor if isinstance(local, Float8WeightWrapper) else local

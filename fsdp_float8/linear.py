@@ -213,6 +213,7 @@ class Float8Linear(nn.Linear):
         self.plan = CastPlan.from_config(self.config)
         self._forwards_since_sync = 0
         self.delayed_ready = False  # host-side mirror of fp8_initialized_*, no sync to read
+        self.delayed_weight_ready = False  # the weight alone, seeded by a sync before forward
         self._register_delayed_buffers()
         self.register_load_state_dict_post_hook(_refresh_delayed_ready)
         self._register_state_dict_hook(_plain_weight_in_state_dict)
@@ -252,7 +253,7 @@ class Float8Linear(nn.Linear):
 
     def mark_delayed_synced(self) -> None:
         self._forwards_since_sync = 0
-        self.delayed_ready = True
+        self.delayed_ready = self.delayed_weight_ready = True
 
     def delayed_state(self, op: Operand) -> DelayedState:
         return DelayedState(
@@ -285,7 +286,7 @@ class Float8Linear(nn.Linear):
             state.amax_history.zero_()
             state.scale.fill_(1.0)
             state.initialized.fill_(False)
-        self.delayed_ready = False
+        self.delayed_ready = self.delayed_weight_ready = False
         self._forwards_since_sync = 0
 
     def _states(self) -> dict:
@@ -338,8 +339,10 @@ def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> N
 
 def _refresh_delayed_ready(module: Float8Linear, incompatible_keys) -> None:
     # one host read at load time, so the forward never has to read the flag
-    flags = [module.delayed_state(op).initialized for op in module.delayed_operands()]
-    module.delayed_ready = bool(flags) and all(bool(f) for f in flags)
+    ops = module.delayed_operands()
+    flags = {op: bool(module.delayed_state(op).initialized) for op in ops}
+    module.delayed_ready = bool(flags) and all(flags.values())
+    module.delayed_weight_ready = flags.get(Operand.WEIGHT, False)
 
 
 def _primary(op: Operand) -> Gemm:

@@ -2,8 +2,9 @@
 
 The local shard's amax is recorded into the module's `fp8_amax_weight` buffer; the next
 `sync_float8_amax_and_scale_history` reduces it with every other amax of the model in one
-collective. Before the first sync there is no history: the shard amaxes are all-reduced
-once per weight so every rank casts with the same scale (first step only).
+collective. A sync before the first forward seeds the weight's scale (in that one
+collective); without it, the first step all-reduces each weight's shard amax once so every
+rank casts with the same scale.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class DelayedFloat8Weight(Float8WeightWrapper):
         state = module.delayed_state(Operand.WEIGHT)
         amax = local_amax(self._tensor)
         DelayedScaling.record(state, amax)
-        if module.delayed_ready:
+        if module.delayed_weight_ready:
             return state.scale.clone()
         amax = all_reduce_amax_(amax.reshape(1), mesh)[0]
         return amax_to_scale(

@@ -30,7 +30,7 @@ class Case:
     scaling: str = "dynamic"  # dynamic | delayed | static
     recipe: str = "tensorwise"
     fp8_all_gather: bool = True
-    precompute: bool = True
+    precompute: bool = True  # delayed: a sync before the first forward seeds weight scales
     mp_bf16: bool = False
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
@@ -152,6 +152,8 @@ def train_fsdp(case: Case, mesh, rank: int, world_size: int, *, counter=None) ->
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     if case.precompute and case.fp8_all_gather and case.scaling == "dynamic":
         precompute_float8_dynamic_scale_for_fsdp(model)
+    if case.scaling == "delayed" and case.precompute:  # seed the weight scales up front
+        sync_float8_amax_and_scale_history(model)
     losses = []
     for step in range(case.steps):
         loss = loss_of(model, case, batch(case, step, rank, world_size))
@@ -174,6 +176,8 @@ def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
     )
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=True)
     work = copy.deepcopy(master).to(torch.bfloat16) if case.mp_bf16 else master
+    if case.scaling == "delayed" and case.precompute:
+        sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
     losses = []
     for step in range(case.steps):
         if case.mp_bf16:

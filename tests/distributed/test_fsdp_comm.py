@@ -20,6 +20,7 @@ from fsdp_float8 import (
     Float8Linear,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
+    sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
@@ -66,6 +67,8 @@ def _step_stats(rank, world_size, case: Case, steps: int = 3) -> dict:
     with CollectiveCounter() as setup:
         if case.precompute and case.fp8_all_gather and case.scaling == "dynamic":
             precompute_float8_dynamic_scale_for_fsdp(model)
+        if case.scaling == "delayed" and case.precompute:
+            sync_float8_amax_and_scale_history(model)
     for step in range(steps):
         with CollectiveCounter() as fwd:
             loss = loss_of(model, case, batch(case, step, rank, world_size))
@@ -98,7 +101,8 @@ BF16 = replace(BASE, recipe="off", mp_bf16=True, fp8_all_gather=False)
 FP8_AG_BF16 = replace(BASE, mp_bf16=True)
 FP8_AG = BASE
 FP8_NO_PRECOMPUTE = replace(BASE, precompute=False)
-DELAYED = replace(BASE, scaling="delayed")
+DELAYED = replace(BASE, scaling="delayed", precompute=False)
+DELAYED_SEEDED = replace(BASE, scaling="delayed")  # sync before the first forward
 PRECOMPUTE_8_LAYERS = replace(BASE, n_layers=8)
 ROWWISE = replace(BASE, recipe="rowwise", precompute=False)
 ROWWISE_GW_HP = replace(BASE, recipe="rowwise_with_gw_hp", precompute=False)
@@ -111,6 +115,7 @@ CASES = [
     PRECOMPUTE_8_LAYERS,
     ROWWISE,
     ROWWISE_GW_HP,
+    DELAYED_SEEDED,
 ]
 
 
@@ -159,6 +164,16 @@ def test_collective_bytes_and_counts(tmp_path):
     for s in steps[1:]:
         total = s["fwd"]["all_reduce"] + s["bwd"]["all_reduce"] + s["post"]["all_reduce"]
         assert total == 1
+    # ... unless a sync before the first forward seeded the weight scales: 1 collective
+    # then, and exactly 1 (the sync) in every step including the first
+    seeded = by_case[DELAYED_SEEDED]
+    assert seeded["setup_all_reduce"] == 1
+    for s in seeded["steps"]:
+        assert (s["fwd"]["all_reduce"], s["bwd"]["all_reduce"], s["post"]["all_reduce"]) == (
+            0,
+            0,
+            1,
+        )
 
 
 def _converted_block_bytes(fp8_run: dict, bf16_run: dict) -> float:

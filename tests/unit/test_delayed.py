@@ -241,12 +241,17 @@ def test_meta_init_then_to_empty_gives_fresh_delayed_buffers() -> None:
         assert state.scale.item() == 1.0
 
 
-def test_sync_before_the_first_forward_changes_nothing() -> None:
+def test_sync_before_the_first_forward_seeds_only_the_weight() -> None:
     mod = _layer()
     before = {n: b.clone() for n, b in mod.named_buffers()}
-    assert sync_float8_amax_and_scale_history(mod) == 0
-    assert not mod.delayed_ready
+    assert sync_float8_amax_and_scale_history(mod) == 1  # the weight; no activation amax yet
+    assert mod.delayed_weight_ready and not mod.delayed_ready
+    weight = mod.delayed_state(Operand.WEIGHT)
+    expected = amax_to_scale(mod.weight.detach().abs().amax().float(), E4M3)
+    assert torch.equal(weight.scale, expected) and bool(weight.initialized)
     for name, buf in mod.named_buffers():
-        assert torch.equal(buf, before[name]), name
-    _step(mod, torch.randn(2, 64))  # a normal step after it still works
+        if not name.endswith("_weight"):
+            assert torch.equal(buf, before[name]), name
+    assert sync_float8_amax_and_scale_history(mod) == 0  # seeded once
+    _step(mod, torch.randn(2, 64))  # a normal step after it
     assert mod.delayed_ready and bool(mod.delayed_state(Operand.INPUT).initialized)
