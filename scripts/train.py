@@ -290,6 +290,8 @@ class Trainer:
             return self.finish(start)
         if self.precompute:
             precompute_float8_dynamic_scale_for_fsdp(self.model)
+        if self.delayed:  # seeds the weights' delayed scales: no per-weight all-reduce
+            sync_float8_amax_and_scale_history(self.model)
         self.telemetry = None
         if self.config is not None and self.args.numerics_every > 0:
             self.telemetry = Float8Telemetry(
