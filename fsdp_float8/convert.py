@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_float8.config import Float8LinearConfig
 from fsdp_float8.linear import Float8Linear
@@ -68,6 +69,12 @@ def _swap(parent, prefix, config, module_filter_fn, report) -> None:
         _swap(child, fqn, config, module_filter_fn, report)
         if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
             continue
+        if isinstance(child.weight, DTensor):
+            raise ValueError(
+                f"{fqn}.weight is already a DTensor: convert_to_float8_training must run "
+                "before fully_shard (build the model, convert it, then fully_shard the "
+                "blocks and the root)"
+            )
         why = _skip_reason(child, fqn, config, module_filter_fn)
         if why:
             report.skipped[fqn] = why

@@ -170,3 +170,20 @@ def test_tied_weight_with_float8_all_gather_is_refused():
     with pytest.raises(ValueError, match="tied") as info:
         convert_to_float8_training(model, config=float8_config(Case(), all_gather=True))
     assert "module_filter_fn" in str(info.value)
+
+
+def _convert_after_fully_shard(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    fully_shard(model, mesh=cpu_mesh(world_size))
+    try:
+        convert_to_float8_training(model, config=float8_config(Case(), all_gather=True))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_convert_after_fully_shard_is_refused(tmp_path):
+    msg = run_distributed(_convert_after_fully_shard, 1, tmp_path)[0]
+    assert msg is not None and "before fully_shard" in msg and "0.weight" in msg
