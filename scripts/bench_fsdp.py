@@ -162,8 +162,8 @@ def _convert(name: str, model: nn.Module, device: torch.device):
         ao.convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
         return ao.precompute_float8_dynamic_scale_for_fsdp, True
     convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=float8_filter)
-    if name == "delayed":
-        return sync_float8_amax_and_scale_history, False
+    if name == "delayed":  # a sync before the first forward seeds the weight scales
+        return sync_float8_amax_and_scale_history, True
     if name.startswith("float8_ag_precompute"):
         return precompute_float8_dynamic_scale_for_fsdp, True
     return None, False
