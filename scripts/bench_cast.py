@@ -42,6 +42,7 @@ from scripts.bench_common import (
     environment,
     fmt,
     markdown_table,
+    parse_choices,
     reset_compiler,
     resolve_device,
     short_error,
@@ -181,10 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes, few iterations (smoke)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    args.cases = [c for c in args.cases.split(",") if c]
-    unknown = sorted(set(args.cases) - set(CASTS))
-    if unknown:
-        p.error(f"unknown case(s) {unknown}; expected some of {list(CASTS)}")
+    args.cases = parse_choices(p, args.cases, CASTS, "case(s)")
     args.modes = ["eager", "compile"] if args.compile else ["eager"]
     return args
 

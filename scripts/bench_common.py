@@ -152,6 +152,15 @@ def write_json(path: str | os.PathLike | None, payload: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def parse_choices(parser, text: str, known: Sequence[str], what: str) -> list[str]:
+    """A comma-separated list of names from `known`; an unknown name is a parser error."""
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; expected some of {list(known)}")
+    return names
+
+
 def fmt(value: Any, spec: str = ".2f") -> str:
     """Format a number for a table; None, NaN and strings pass through readably."""
     if value is None:

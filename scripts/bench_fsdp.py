@@ -70,6 +70,7 @@ from scripts.bench_common import (
     environment,
     fmt,
     markdown_table,
+    parse_choices,
     resolve_device,
     short_error,
     synchronize,
@@ -379,10 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke)")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
-    args.configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(args.configs) - set(CONFIGS))
-    if unknown:
-        p.error(f"unknown config(s) {unknown}; expected some of {list(CONFIGS)}")
+    args.configs = parse_choices(p, args.configs, CONFIGS, "config(s)")
     preset = args.preset or ("quick" if args.quick else args.device.split(":")[0])
     for key, value in PRESETS[preset].items():
         if getattr(args, key) is None:

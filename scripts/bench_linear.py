@@ -37,6 +37,7 @@ from scripts.bench_common import (
     environment,
     fmt,
     markdown_table,
+    parse_choices,
     peak_tflops,
     reset_compiler,
     resolve_device,
@@ -316,10 +317,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="op census + profiler, first shape")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
-    args.recipes = [r for r in args.recipes.split(",") if r]
-    unknown = sorted(set(args.recipes) - set(RECIPES))
-    if unknown:
-        p.error(f"unknown recipe(s) {unknown}; expected some of {list(RECIPES)}")
+    args.recipes = parse_choices(p, args.recipes, RECIPES, "recipe(s)")
     if args.compile_only:
         args.modes = ["compile"]
     else:
