@@ -233,7 +233,7 @@ class Float8LinearConfig:
         same_dtype = self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) == self.float8_dtype(
             Operand.WEIGHT, Gemm.GRAD_INPUT
         )
-        if not same_dtype or fwd != bwd and (bwd.scaling_type is not fwd.scaling_type):
+        if not same_dtype or bwd.scaling_type is not fwd.scaling_type:
             raise ValueError(
                 "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
                 "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "

@@ -21,7 +21,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.config import Float8LinearConfig, Gemm, Operand, ScalingGranularity
 from fsdp_float8.float8_tensor import Float8Tensor
@@ -147,8 +147,6 @@ class Float8WeightWrapper(torch.Tensor):
 
 
 def _flat(args, kwargs):
-    from torch.utils._pytree import tree_leaves
-
     return tree_leaves((args, kwargs))
 
 
