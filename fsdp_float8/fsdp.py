@@ -1,7 +1,7 @@
 """Whole-model passes for FSDP2 training, each with one collective.
 
 - `precompute_float8_dynamic_scale_for_fsdp(model)`: after `optimizer.step()`, the amaxes
-  of every dynamically scaled float8 weight shard in one batched pass (`_foreach_norm`),
+  of every dynamically scaled float8 weight shard in one batched pass (`tensor_amaxes`),
   one all-reduce(MAX), then each weight's scale is stored for its next all-gather.
 - `sync_float8_amax_and_scale_history(model)`: for delayed scaling, every recorded amax of
   every operand of every layer in one all-reduce(MAX), then histories roll and scales
@@ -17,9 +17,8 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8.amax_sync import Group, reduce_amaxes
 from fsdp_float8.config import PRIMARY_GEMM, Operand
 from fsdp_float8.linear import Float8Linear
-from fsdp_float8.scaling import DelayedScaling, amax_to_scale
+from fsdp_float8.scaling import DelayedScaling, amax_to_scale, tensor_amax, tensor_amaxes
 from fsdp_float8.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
-from fsdp_float8.weight_wrappers.base import local_amax
 
 
 def _float8_linears(model: nn.Module) -> list[Float8Linear]:
@@ -45,9 +44,8 @@ def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> int:
             mesh = w.device_mesh if isinstance(w, DTensor) else None
             by_mesh.setdefault(mesh, []).append((local, m))
     for mesh, items in by_mesh.items():
-        # an empty shard (fewer rows than ranks) has no inf-norm: it contributes amax 0
-        inner = [w._tensor if w._tensor.numel() else w._tensor.new_zeros(1) for w, _ in items]
-        amaxes = reduce_amaxes(torch._foreach_norm(inner, float("inf")), mesh)
+        # an empty shard (fewer rows than ranks) contributes amax 0
+        amaxes = reduce_amaxes(tensor_amaxes([w._tensor for w, _ in items]), mesh)
         for (w, m), amax in zip(items, amaxes.unbind(), strict=True):
             pow2 = m.config.round_scales_to_power_of_2
             w.set_precomputed_scale(amax_to_scale(amax, w.float8_dtype, power_of_2=pow2))
@@ -73,7 +71,7 @@ def sync_float8_amax_and_scale_history(model: nn.Module, *, group: Group = None)
             entries += [(m, op, m.delayed_state(op)) for op in m.delayed_operands()]
         elif Operand.WEIGHT in m.delayed_operands() and not m.delayed_weight_ready:
             state = m.delayed_state(Operand.WEIGHT)
-            DelayedScaling.record(state, local_amax(_local_hp_weight(m.weight)))
+            DelayedScaling.record(state, tensor_amax(_local_hp_weight(m.weight)))
             entries.append((m, Operand.WEIGHT, state))
     if not entries:
         return 0

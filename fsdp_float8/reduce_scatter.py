@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from fsdp_float8.scaling import amax_to_scale, cast_to_float8_data
+from fsdp_float8.scaling import amax_to_scale, axis_amax, cast_to_float8_data
 
 __all__ = [
     "Float8ReduceScatter",
@@ -82,7 +82,7 @@ def quantize_blocks(
     n_blocks = math.ceil(n / block_size)
     padded = nn.functional.pad(hp_rows.to(torch.float32), (0, n_blocks * block_size - n))
     blocks = padded.view(rows, n_blocks, block_size)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    amax = axis_amax(blocks, -1)
     power_of_2 = scale_dtype == torch.float8_e8m0fnu
     scale = amax_to_scale(amax, float8_dtype, power_of_2=power_of_2)
     data = cast_to_float8_data(blocks, scale, float8_dtype).view(torch.uint8)

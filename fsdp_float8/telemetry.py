@@ -72,6 +72,7 @@ from fsdp_float8.config import CONTRACTION_DIM, GEMM_OPERANDS, PRIMARY_GEMM, Gem
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.linear import CastPlan, Float8Linear
 from fsdp_float8.numerics import out_of_range_fraction, underflow_fraction
+from fsdp_float8.scaling import tensor_amax
 from fsdp_float8.weight_wrappers.base import plain_weight
 
 RECORD_FIELDS = (
@@ -103,7 +104,7 @@ def cast_stats(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
         return torch.stack([zero, scale.min(), scale.max(), zero, zero])
     return torch.stack(
         [
-            hp.abs().amax().to(torch.float32),
+            tensor_amax(hp),
             scale.min(),
             scale.max(),
             out_of_range_fraction(hp, scale, float8_dtype).to(torch.float32),

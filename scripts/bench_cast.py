@@ -9,7 +9,10 @@ Mental model: a cast reads a bf16 tensor, reduces it to an amax (per tensor or p
 turns the amax into a scale (`amax_to_scale`) and writes float8 data
 (`cast_to_float8_data`), exactly as `Float8Linear` does for each operand. The memory-bound
 limit for touching those bytes is a plain copy of the same source, `dst.copy_(src)`,
-timed in the same run. `ratio = copy time / cast time` (1.0: the cast runs at copy
+timed in the same run. `ratio = copy time / cast time`. A cast allocates its output (as in
+training); a second baseline row, `copy_alloc` (`src.clone()`), shows what allocation costs
+at the same size (on CPU, blocks of 32 MiB and up come fresh from the OS, page faults
+included, so there the allocating copy is far below `copy_`) (1.0: the cast runs at copy
 speed; a fused two-pass cast, amax then cast, cannot quite reach it). GB/s counts each
 byte once: source read + destination written (a copy moves 4 bytes per bf16 element, a
 float8 cast 3).
@@ -20,7 +23,9 @@ column: the grad_weight GEMM's operands), `cast_only` (a given scale: what the F
 float8 all-gather does after `precompute_float8_dynamic_scale_for_fsdp`), `convert_only`
 (`src.to(float8)`, no scale, no clamp: not a usable cast, but the floor that the dtype
 conversion alone sets; a CPU without float8 conversion instructions sits far below copy
-speed here whatever the cast does). Modes: `eager`,
+speed here whatever the cast does), `amax` (`tensor_amax`: the reduction alone, reads 2
+bytes per element), `amax_vector_norm` (the same value by `linalg.vector_norm(inf)`,
+kept to show why `tensor_amax` uses aminmax: 10x+ slower on CPU in eager). Modes: `eager`,
 `compile` (torch.compile, inductor; its output is checked bit for bit against eager).
 """
 
@@ -37,6 +42,7 @@ from fsdp_float8.scaling import (
     Tensorwise,
     amax_to_scale,
     cast_to_float8_data,
+    tensor_amax,
 )
 from scripts.bench_common import (
     environment,
@@ -70,13 +76,24 @@ def _convert_only(hp: torch.Tensor, scale: torch.Tensor):
     return hp.to(E4M3), scale
 
 
+def _amax(hp: torch.Tensor):
+    return tensor_amax(hp)
+
+
+def _amax_vector_norm(hp: torch.Tensor):
+    return torch.linalg.vector_norm(hp, float("inf")).to(torch.float32)
+
+
 CASTS: dict[str, Callable] = {
     "tensorwise": _dynamic_cast(DynamicScaling(Tensorwise()), -1),
     "rowwise": _dynamic_cast(DynamicScaling(Axiswise(), power_of_2=True), -1),
     "rowwise_dim0": _dynamic_cast(DynamicScaling(Axiswise(), power_of_2=True), 0),
     "cast_only": _cast_only,
     "convert_only": _convert_only,
+    "amax": _amax,
+    "amax_vector_norm": _amax_vector_norm,
 }
+_READ_ONLY = ("amax", "amax_vector_norm")  # bytes moved: the source read, 2 per element
 _GIVEN_SCALE = ("cast_only", "convert_only")
 SIZES = {
     "quick": [(256, 512)],
@@ -89,6 +106,8 @@ SIZES = {
 
 def _equal(a, b) -> bool:
     """Bit-equal outputs: float8 data compared as bytes, scales exactly."""
+    if isinstance(a, torch.Tensor):  # an amax alone
+        return torch.equal(a, b)
     (da, sa), (db, sb) = a, b
     return torch.equal(da.view(torch.uint8), db.view(torch.uint8)) and torch.equal(sa, sb)
 
@@ -101,12 +120,16 @@ def bench_size(rows: int, cols: int, args, device) -> list[dict]:
     copy = time_ms(lambda: dst.copy_(src), device, warmup=args.warmup, iters=args.iters)
     results = [_row("copy", "eager", rows, cols, copy, 4 * numel, copy, None, None)]
     print(_progress(results[-1]), flush=True)
+    clone = time_ms(src.clone, device, warmup=args.warmup, iters=args.iters)
+    results.append(_row("copy_alloc", "eager", rows, cols, clone, 4 * numel, copy, None, None))
+    print(_progress(results[-1]), flush=True)
     given_scale = amax_to_scale(src.abs().amax().float(), E4M3)
     for mode in args.modes:
         for name in args.cases:
             call_args = (src, given_scale) if name in _GIVEN_SCALE else (src,)
             timing, equal, error = time_case(CASTS[name], call_args, mode, device, args)
-            results.append(_row(name, mode, rows, cols, timing, 3 * numel, copy, equal, error))
+            nbytes = (2 if name in _READ_ONLY else 3) * numel
+            results.append(_row(name, mode, rows, cols, timing, nbytes, copy, equal, error))
             print(_progress(results[-1]), flush=True)
     return results
 

@@ -150,13 +150,6 @@ def _flat(args, kwargs):
     return tree_leaves((args, kwargs))
 
 
-def local_amax(hp: torch.Tensor) -> torch.Tensor:
-    """amax of a (possibly empty) local shard, float32, 0-d."""
-    if hp.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=hp.device)
-    return hp.abs().amax().to(torch.float32)
-
-
 def plain_weight(t: torch.Tensor) -> torch.Tensor:
     """The high-precision weight without the wrapper (a DTensor keeps its sharding), so
     checkpoints hold plain tensors and load anywhere, with or without this package."""

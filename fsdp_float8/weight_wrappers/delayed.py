@@ -13,14 +13,14 @@ import torch
 
 from fsdp_float8.amax_sync import all_reduce_amax_
 from fsdp_float8.config import Operand
-from fsdp_float8.scaling import DelayedScaling, amax_to_scale
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, local_amax
+from fsdp_float8.scaling import DelayedScaling, amax_to_scale, tensor_amax
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class DelayedFloat8Weight(Float8WeightWrapper):
     def float8_scale(self, mesh, module) -> torch.Tensor:
         state = module.delayed_state(Operand.WEIGHT)
-        amax = local_amax(self._tensor)
+        amax = tensor_amax(self._tensor)
         DelayedScaling.record(state, amax)
         if module.delayed_weight_ready:
             return state.scale.clone()

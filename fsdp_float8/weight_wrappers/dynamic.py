@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_float8.amax_sync import all_reduce_amax_
-from fsdp_float8.scaling import amax_to_scale
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, local_amax
+from fsdp_float8.scaling import amax_to_scale, axis_amax, tensor_amax
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class DynamicFloat8Weight(Float8WeightWrapper):
@@ -39,9 +39,9 @@ class DynamicFloat8Weight(Float8WeightWrapper):
     def float8_scale(self, mesh, module) -> torch.Tensor:
         pow2 = self._config.round_scales_to_power_of_2
         if self.rowwise:  # per output row: the shard has all it needs, no collective
-            amax = self._tensor.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+            amax = axis_amax(self._tensor, -1)
             return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)
         if self.has_fresh_precomputed_scale():
             return self._precomputed_scale
-        amax = all_reduce_amax_(local_amax(self._tensor).reshape(1), mesh)[0]
+        amax = all_reduce_amax_(tensor_amax(self._tensor).reshape(1), mesh)[0]
         return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)

@@ -59,13 +59,14 @@ def test_bench_linear_quick(tmp_path):
 def test_bench_cast_quick_compiled(tmp_path):
     payload = _run(
         [sys.executable, "-m", "scripts.bench_cast", "--quick", "--compile"]
-        + ["--cases", "tensorwise,rowwise"],
+        + ["--cases", "tensorwise,rowwise,amax"],
         tmp_path / "c.json",
     )
     rows = {(r["case"], r["mode"]): r for r in payload["results"]}
     assert set(rows) == {
         ("copy", "eager"),
-        *((c, m) for c in ("tensorwise", "rowwise") for m in ("eager", "compile")),
+        ("copy_alloc", "eager"),
+        *((c, m) for c in ("tensorwise", "rowwise", "amax") for m in ("eager", "compile")),
     }
     assert rows[("copy", "eager")]["ratio_vs_copy"] == pytest.approx(1.0)
     for key, r in rows.items():
@@ -74,7 +75,8 @@ def test_bench_cast_quick_compiled(tmp_path):
         assert r["cpu_ratio_vs_copy"] > 0
         if key[1] == "compile":
             assert r["bit_equal_to_eager"] is True, "compiled cast differs from eager"
-        assert r["bytes"] == (4 if key[0] == "copy" else 3) * math.prod(r["shape"])
+        per_element = {"copy": 4, "copy_alloc": 4, "amax": 2}.get(key[0], 3)
+        assert r["bytes"] == per_element * math.prod(r["shape"])
 
 
 def test_bench_fsdp_quick_torchrun(tmp_path):
