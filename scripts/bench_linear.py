@@ -255,13 +255,13 @@ class OpCensus(TorchDispatchMode):
             return "GEMMs"
         if first is None or first.numel() <= self.small:
             return "small ops (scales)"
-        if name in ("amax", "max", "linalg_vector_norm", "_foreach_norm"):
+        if name in ("amax", "amin", "aminmax", "max", "linalg_vector_norm", "_foreach_norm"):
             return "amax reductions"
         if name == "_to_copy" and kwargs.get("dtype", first.dtype).itemsize == 1:
             return "float8 casts (writes)"
         if first.dtype.itemsize == 1 and name in ("clone", "contiguous", "_to_copy"):
             return "float8 layout copies (transposes)"
-        if name in ("_to_copy", "mul", "clamp", "abs", "reciprocal", "div"):
+        if name in ("_to_copy", "mul", "mul_", "clamp", "clamp_", "abs", "reciprocal", "div"):
             return "elementwise passes over operands"
         return "other"
 

@@ -17,9 +17,12 @@ from fsdp_float8.scaling import (
     StaticScaling,
     Tensorwise,
     amax_to_scale,
+    axis_amax,
     cast_to_float8_data,
     float8_max,
     round_down_to_power_of_2,
+    tensor_amax,
+    tensor_amaxes,
 )
 
 CAST_BAR = {E4M3: SQNR_DB["cast_e4m3"], E5M2: SQNR_DB["cast_e5m2"]}
@@ -45,6 +48,35 @@ def test_cast_sqnr(dtype, granularity, hp_dtype) -> None:
         out = _roundtrip(hp, scale, dtype)
         assert out.dtype == hp_dtype
         assert sqnr_db(hp, out) >= CAST_BAR[dtype], f"dim {dim}"
+
+
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_amax_equals_abs_max_exactly(hp_dtype) -> None:
+    """aminmax / amin+amax give max |x| exactly, float32, for every sign pattern; an empty
+    tensor gives 0; NaN propagates (a NaN amax must reach the scale, not vanish)."""
+    g = torch.Generator().manual_seed(0)
+    hp = (torch.randn(6, 40, generator=g) * 3).to(hp_dtype)
+    cases = [hp, hp.abs(), -hp.abs(), torch.zeros(3, 5, dtype=hp_dtype), -torch.zeros(4)]
+    for t in cases:
+        expected = t.float().abs().amax()
+        got = tensor_amax(t)
+        assert got.dtype == torch.float32 and got.shape == ()
+        assert torch.equal(got, expected) and not got.signbit(), (t, got)
+        for dim in (0, -1):
+            want = t.float().abs().amax(dim=dim, keepdim=True)
+            got = axis_amax(t, dim)
+            assert got.dtype == torch.float32 and torch.equal(got, want)
+            assert not got.signbit().any()
+    assert torch.equal(tensor_amax(torch.empty(0, 8, dtype=hp_dtype)), torch.tensor(0.0))
+    nan = hp.clone()
+    nan[2, 3] = float("nan")
+    assert tensor_amax(nan).isnan() and axis_amax(nan, -1)[2].isnan()
+    assert not axis_amax(nan, -1)[1].isnan()
+    # the CUDA branch of tensor_amaxes is one _foreach_norm(inf): the same numbers
+    ts = [hp, hp[:2] * 7, -hp.abs()]
+    norms = torch._foreach_norm(ts, float("inf"))
+    amaxes = tensor_amaxes(ts + [hp[:0]])
+    assert [a.item() for a in amaxes] == [n.float().item() for n in norms] + [0.0]
 
 
 def test_axiswise_beats_tensorwise_on_uneven_rows() -> None:
