@@ -7,12 +7,14 @@
 # (default: python3, the one holding a CUDA torch on the lent GPU machines). Each step runs
 # under `timeout`, so one hang or slow compile cannot eat the whole budget; each bench
 # writes its JSON after every row, so a step cut short still leaves what it measured.
-# Files (6, all in OUTDIR): env.txt, linear.json, cast.json, fsdp.json, linear_compile.json
-# and gpu_bench.log with everything printed. Budget (the timeouts add up to 470 s):
+# Files (7, all in OUTDIR): env.txt, gpu_tests.xml, linear.json, cast.json, fsdp.json,
+# linear_compile.json and gpu_bench.log with everything printed. Budget (the timeouts add
+# up to 470 s):
+#   the `gpu`-marked tests (real _scaled_mm, CUDA amax, NCCL FSDP2)  40 s
 #   linear eager, 8 Llama-3 8B/70B shapes x (bf16 + 3 recipes)        90 s
 #   cast, eager + compiled, 3 Llama-sized tensors                       60 s
 #   fsdp, torchrun --nproc_per_node 1 with NCCL, every config           100 s
-#   linear compiled, the 4 FFN shapes (the big ones; 16 compiles,       220 s
+#   linear compiled, the 4 FFN shapes (the big ones; 16 compiles,       180 s
 #     8B then 70B w1/w3 first, so a cut run still has the largest)
 # torchao is compared only where it imports there (carry its wheel; see
 # /work/.library/device/README.md); otherwise bench_fsdp reports it as skipped.
@@ -48,13 +50,15 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log its output and exi
 } >"$OUT/env.txt"
 cat "$OUT/env.txt" | tee -a "$LOG"
 
+step gpu_tests 40 "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+  --junit-xml "$OUT/gpu_tests.xml"
 step linear_eager 90 "$PYTHON" -m scripts.bench_linear --device cuda --shapes llama \
   --json "$OUT/linear.json"
 step cast 60 "$PYTHON" -m scripts.bench_cast --device cuda --compile --json "$OUT/cast.json"
 step fsdp 100 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
   -m scripts.bench_fsdp --device cuda --json "$OUT/fsdp.json"
 FFN=16384x4096x14336,16384x8192x28672,16384x14336x4096,16384x28672x8192
-step linear_compile 220 "$PYTHON" -m scripts.bench_linear --device cuda --shapes "$FFN" \
+step linear_compile 180 "$PYTHON" -m scripts.bench_linear --device cuda --shapes "$FFN" \
   --compile-only --warmup 3 --iters 10 --json "$OUT/linear_compile.json"
 
 echo "=== done: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$LOG"

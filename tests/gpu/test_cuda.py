@@ -1,5 +1,6 @@
 """CUDA checks (marked `gpu`, skipped without CUDA): the real float8 GEMM against emulation
-for every recipe, and a one-rank NCCL FSDP2 step with float8 all-gather."""
+for every recipe, the batched CUDA amax against the per-tensor one, and a one-rank NCCL
+FSDP2 step with float8 all-gather."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fsdp_float8 import (
     sqnr_db,
 )
 from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.scaling import tensor_amax, tensor_amaxes
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +34,20 @@ def test_real_scaled_mm_matches_emulation_on_cuda(recipe):
         ref = base(x)
         assert sqnr_db(emul(x), real(x)) >= SQNR_DB["real_vs_emulated"] - 10
         assert sqnr_db(ref, real(x)) >= SQNR_DB["linear_output"]
+
+
+def test_batched_cuda_amax_equals_per_tensor_amax():
+    # on CUDA tensor_amaxes takes one _foreach_norm(inf) kernel; it must give the same
+    # numbers as tensor_amax (aminmax), which the CPU and every single cast use
+    torch.manual_seed(0)
+    ts = [
+        torch.randn(n, 64, device="cuda", dtype=dt) * n
+        for n in (3, 17, 128)
+        for dt in (torch.float32, torch.bfloat16)
+    ]
+    got = tensor_amaxes(ts)
+    assert all(g.dtype == torch.float32 and g.shape == () for g in got)
+    assert torch.equal(torch.stack(got), torch.stack([tensor_amax(t) for t in ts]))
 
 
 def test_fsdp_float8_all_gather_one_rank_nccl(tmp_path):
