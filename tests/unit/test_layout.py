@@ -2,7 +2,9 @@
 
 - `all_reduce` is called only by amax_sync.py (comm_stats only names ops it counts);
 - FSDP2's all-gather hooks are defined only under weight_wrappers/;
-- an if/elif over ScalingType lives only in config.py (the words -> strategies map).
+- an if/elif over ScalingType lives only in config.py (the words -> strategies map);
+- the amax reduction (max |x|) is written only in scaling.py (`tensor_amax`, `axis_amax`,
+  `tensor_amaxes`): one choice of reduction op for every cast, precompute and telemetry.
 """
 
 from __future__ import annotations
@@ -34,3 +36,9 @@ def test_scaling_type_branches_only_in_config():
         f for f, text in _sources().items() if re.search(r"(if|elif) .*ScalingType\.\w+", text)
     ]
     assert set(branching) <= {"config.py"}, branching
+
+
+def test_amax_reduction_lives_in_scaling():
+    pattern = r"abs\(\)\.amax\(|vector_norm\(|_foreach_norm\(|\baminmax\("
+    homes = [f for f, text in _sources().items() if re.search(pattern, text)]
+    assert homes == ["scaling.py"], homes
