@@ -18,7 +18,7 @@ from fsdp_float8 import (
     sqnr_db,
 )
 from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.scaling import tensor_amax, tensor_amaxes
+from fsdp_float8.scaling import axis_amax, tensor_amax, tensor_amaxes
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +48,9 @@ def test_batched_cuda_amax_equals_per_tensor_amax():
     got = tensor_amaxes(ts)
     assert all(g.dtype == torch.float32 and g.shape == () for g in got)
     assert torch.equal(torch.stack(got), torch.stack([tensor_amax(t) for t in ts]))
+    for t in ts:  # the CUDA axis amax (one aminmax pass) against the CPU one (amin, amax)
+        for dim in (0, -1):
+            assert torch.equal(axis_amax(t, dim).cpu(), axis_amax(t.cpu(), dim))
 
 
 def test_fsdp_float8_all_gather_one_rank_nccl(tmp_path):
