@@ -16,7 +16,10 @@ memory) becomes a row with its error instead of ending the run.
 
 Columns: bf16 and float8 median ms, speedup = bf16 / float8, the float8 output's SQNR
 against the bf16 output, and on a known GPU the achieved TFLOP/s with the fraction of the
-device's dense peak (bf16 against the bf16 peak, float8 against the fp8 peak). On the CPU
+device's dense peak (bf16 against the bf16 peak, float8 against the fp8 peak). With
+`--kernels`, one more profiled step per case splits its time into GEMMs and everything else
+(`scripts/bench_kernels.py`): the columns that say whether a float8 row is held back by its
+GEMMs or by the casts around them. On the CPU
 float8 is emulated by torch._scaled_mm (dequantize + float32 GEMM), so CPU rows measure
 overhead, not float8 speed.
 """
@@ -46,6 +49,7 @@ from scripts.bench_common import (
     time_ms,
     write_json,
 )
+from scripts.bench_kernels import kernel_breakdown
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MODES = ("eager", "compile")
@@ -138,15 +142,18 @@ def _layer(base: nn.Linear, recipe: str | None, mode: str) -> nn.Module:
     return layer
 
 
-def run_case(base, recipe, mode, x, grad_output, device, warmup, iters) -> dict:
-    """Time one (layer, mode); also its output, for the SQNR column."""
+def run_case(base, recipe, mode, x, grad_output, device, args) -> dict:
+    """Time one (layer, mode); also its output, for the SQNR column, and with `--kernels`
+    the GEMM / other split of one more step."""
     try:
         layer = _layer(base, recipe, mode)
-        timing = time_ms(_step(layer, x, grad_output), device, warmup=warmup, iters=iters)
+        step = _step(layer, x, grad_output)
+        timing = time_ms(step, device, warmup=args.warmup, iters=args.iters)
+        split = kernel_breakdown(step, device) if args.kernels else None
         with torch.no_grad():
             out = layer(x)
         synchronize(device)
-        return {**timing, "output": out, "error": None}
+        return {**timing, "output": out, "split": split, "error": None}
     except Exception as exc:  # a row with the error, not the end of the run
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -164,9 +171,9 @@ def bench_shape(shape: Shape, args, device, peaks) -> list[dict]:
     grad_output = torch.randn(shape.m, shape.n, device=device, dtype=torch.bfloat16)
     rows = []
     for mode in args.modes:
-        ref = run_case(base, None, mode, x, grad_output, device, args.warmup, args.iters)
+        ref = run_case(base, None, mode, x, grad_output, device, args)
         for recipe in args.recipes:
-            res = run_case(base, recipe, mode, x, grad_output, device, args.warmup, args.iters)
+            res = run_case(base, recipe, mode, x, grad_output, device, args)
             bf16_ms, f8_ms = ref["median_ms"], res["median_ms"]
             row = {
                 "shape": shape.name,
@@ -188,6 +195,8 @@ def bench_shape(shape: Shape, args, device, peaks) -> list[dict]:
                 ),
                 "error": ref["error"] or res["error"],
             }
+            if args.kernels:
+                row["bf16_split"], row["float8_split"] = ref.get("split"), res.get("split")
             if peaks:
                 row["bf16_pct_peak"] = _pct(row["bf16_tflops"], peaks["bf16"])
                 row["float8_pct_peak"] = _pct(row["float8_tflops"], peaks["fp8"])
@@ -214,6 +223,9 @@ def table(rows: list[dict], peaks) -> str:
     headers += ["out SQNR dB"]
     if peaks:
         headers += ["bf16 TFLOP/s (% peak)", "float8 TFLOP/s (% fp8 peak)"]
+    splits = any("float8_split" in r for r in rows)
+    if splits:
+        headers += ["bf16 GEMM / other ms", "float8 GEMM / other ms", "float8 kernels"]
     headers += ["error"]
     body = []
     for r in rows:
@@ -225,9 +237,18 @@ def table(rows: list[dict], peaks) -> str:
                 f"{fmt(r['bf16_tflops'], '.0f')} ({fmt(r.get('bf16_pct_peak'), '.0f')}%)",
                 f"{fmt(r['float8_tflops'], '.0f')} ({fmt(r.get('float8_pct_peak'), '.0f')}%)",
             ]
+        if splits:
+            line += [_split(r.get("bf16_split")), _split(r.get("float8_split"))]
+            line += [fmt((r.get("float8_split") or {}).get("kernels"), "d")]
         line += [r["error"] or ""]
         body.append(line)
     return markdown_table(headers, body)
+
+
+def _split(split: dict | None) -> str:
+    if not split:
+        return "-"
+    return f"{fmt(split['gemm_ms'], '.3f')} / {fmt(split['other_ms'], '.3f')}"
 
 
 class OpCensus(TorchDispatchMode):
@@ -315,6 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (smoke)")
     p.add_argument("--profile", action="store_true", help="op census + profiler, first shape")
+    p.add_argument("--kernels", action="store_true", help="GEMM / other time split per case")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.recipes = parse_choices(p, args.recipes, RECIPES, "recipe(s)")

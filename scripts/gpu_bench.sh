@@ -53,12 +53,12 @@ cat "$OUT/env.txt" | tee -a "$LOG"
 step gpu_tests 40 "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
   --junit-xml "$OUT/gpu_tests.xml"
 step linear_eager 90 "$PYTHON" -m scripts.bench_linear --device cuda --shapes llama \
-  --json "$OUT/linear.json"
+  --kernels --json "$OUT/linear.json"
 step cast 60 "$PYTHON" -m scripts.bench_cast --device cuda --compile --json "$OUT/cast.json"
 step fsdp 100 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
   -m scripts.bench_fsdp --device cuda --json "$OUT/fsdp.json"
 FFN=16384x4096x14336,16384x8192x28672,16384x14336x4096,16384x28672x8192
 step linear_compile 180 "$PYTHON" -m scripts.bench_linear --device cuda --shapes "$FFN" \
-  --compile-only --warmup 3 --iters 10 --json "$OUT/linear_compile.json"
+  --compile-only --kernels --warmup 3 --iters 10 --json "$OUT/linear_compile.json"
 
 echo "=== done: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$LOG"

@@ -42,7 +42,9 @@ def _run(args: list[str], json_path: Path, timeout: float = 120) -> dict:
 
 
 def test_bench_linear_quick(tmp_path):
-    payload = _run([sys.executable, "-m", "scripts.bench_linear", "--quick"], tmp_path / "l.json")
+    payload = _run(
+        [sys.executable, "-m", "scripts.bench_linear", "--quick", "--kernels"], tmp_path / "l.json"
+    )
     rows = payload["results"]
     assert payload["benchmark"] == "linear"
     assert {r["recipe"] for r in rows} == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
@@ -54,6 +56,11 @@ def test_bench_linear_quick(tmp_path):
             6 * r["M"] * r["K"] * r["N"] / r["float8_ms"] / 1e9
         )
         assert r["output_sqnr_db"] >= SQNR_DB["linear_output"], r
+        # --kernels: the profiled step splits into GEMM time (the 3 GEMMs of the layer,
+        # found under their aten names on the CPU) and the rest
+        for split in (r["bf16_split"], r["float8_split"]):
+            assert split["gemm_ms"] > 0 and split["other_ms"] >= 0, split
+            assert 0 < split["gemm_share"] <= 1
 
 
 def test_bench_cast_quick_compiled(tmp_path):
