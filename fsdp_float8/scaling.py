@@ -57,8 +57,13 @@ def cast_to_float8_data(
 
 # amax = max |x|, the one home of the reduction. Never `abs()` first: that writes a
 # full-size temporary. `linalg.vector_norm(inf)` is one pass on CUDA but runs 10-40x slower
-# than aminmax/amax on CPU (measured: scripts/bench_cast.py --cases amax_*), so the
+# than aminmax/amax on CPU (`scripts/bench_cast.py --cases amax,amax_vector_norm`), so the
 # reductions here are min and max, whose results are exact and device independent.
+
+
+def _abs_max(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """max |x| from min and max, float32 (abs() of both: never -0.0)."""
+    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
 
 
 def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
     if hp.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=hp.device)
     lo, hi = torch.aminmax(hp)
-    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+    return _abs_max(lo, hi)
 
 
 def axis_amax(hp: torch.Tensor, dim: int) -> torch.Tensor:
@@ -79,7 +84,7 @@ def axis_amax(hp: torch.Tensor, dim: int) -> torch.Tensor:
         lo, hi = torch.aminmax(hp, dim=dim, keepdim=True)
     else:
         lo, hi = hp.amin(dim=dim, keepdim=True), hp.amax(dim=dim, keepdim=True)
-    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+    return _abs_max(lo, hi)
 
 
 def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

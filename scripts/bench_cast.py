@@ -9,11 +9,11 @@ Mental model: a cast reads a bf16 tensor, reduces it to an amax (per tensor or p
 turns the amax into a scale (`amax_to_scale`) and writes float8 data
 (`cast_to_float8_data`), exactly as `Float8Linear` does for each operand. The memory-bound
 limit for touching those bytes is a plain copy of the same source, `dst.copy_(src)`,
-timed in the same run. `ratio = copy time / cast time`. A cast allocates its output (as in
-training); a second baseline row, `copy_alloc` (`src.clone()`), shows what allocation costs
-at the same size (on CPU, blocks of 32 MiB and up come fresh from the OS, page faults
-included, so there the allocating copy is far below `copy_`) (1.0: the cast runs at copy
-speed; a fused two-pass cast, amax then cast, cannot quite reach it). GB/s counts each
+timed in the same run. `ratio = copy time / cast time` (1.0: the cast runs at copy
+speed; a fused two-pass cast, amax then cast, cannot quite reach it). A cast allocates its
+output (as in training); a second baseline row, `copy_alloc` (`src.clone()`), shows what
+allocation costs at the same size (on CPU, blocks of 32 MiB and up come fresh from the OS,
+page faults included, so there the allocating copy is far below `copy_`). GB/s counts each
 byte once: source read + destination written (a copy moves 4 bytes per bf16 element, a
 float8 cast 3).
 
@@ -76,10 +76,6 @@ def _convert_only(hp: torch.Tensor, scale: torch.Tensor):
     return hp.to(E4M3), scale
 
 
-def _amax(hp: torch.Tensor):
-    return tensor_amax(hp)
-
-
 def _amax_vector_norm(hp: torch.Tensor):
     return torch.linalg.vector_norm(hp, float("inf")).to(torch.float32)
 
@@ -90,7 +86,7 @@ CASTS: dict[str, Callable] = {
     "rowwise_dim0": _dynamic_cast(DynamicScaling(Axiswise(), power_of_2=True), 0),
     "cast_only": _cast_only,
     "convert_only": _convert_only,
-    "amax": _amax,
+    "amax": tensor_amax,
     "amax_vector_norm": _amax_vector_norm,
 }
 _READ_ONLY = ("amax", "amax_vector_norm")  # bytes moved: the source read, 2 per element
@@ -221,9 +217,7 @@ def _sizes(spec: str | None, quick: bool, device: torch.device) -> list[tuple[in
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device, threads=args.threads)
     cuda = device.type == "cuda"
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.iters = args.iters if args.iters is not None else (3 if args.quick else 50 if cuda else 10)

@@ -33,8 +33,11 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def resolve_device(name: str | None) -> torch.device:
-    """'cpu', 'cuda' or None (CUDA when available); refuses CUDA on a machine without it."""
+def resolve_device(name: str | None, *, threads: int | None = None) -> torch.device:
+    """'cpu', 'cuda' or None (CUDA when available); refuses CUDA on a machine without it.
+    `threads`, when given, sets the CPU intra-op thread count (`--threads`)."""
+    if threads:
+        torch.set_num_threads(threads)
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)

@@ -349,9 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device, threads=args.threads)
     cuda = device.type == "cuda"
     preset = args.shapes or ("quick" if args.quick else "llama" if cuda else "cpu")
     shapes = shapes_for(preset, args.tokens)
