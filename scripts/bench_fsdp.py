@@ -77,6 +77,7 @@ from scripts.bench_common import (
 )
 from scripts.bench_fsdp_report import KINDS, combine, table
 from scripts.model import Transformer, model_args
+from scripts.train_utils import enable_crash_traces, exit_rank
 
 CONFIGS = (
     "bf16",
@@ -347,6 +348,7 @@ def torchao_status() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
+    enable_crash_traces()
     args = parse_args(argv)
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
@@ -392,3 +394,4 @@ def _payload(args, device, world: int, ao_error: str | None, results: list[dict]
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -77,6 +76,8 @@ from scripts.train_utils import (
     check_vocab,
     conversion_counts,
     describe,
+    enable_crash_traces,
+    exit_rank,
     float8_config,
     init_distributed,
 )
@@ -367,6 +368,7 @@ def _train_time(records: list[dict]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enable_crash_traces()
     args = parse_args(argv)
     config = float8_config(args)  # refuse bad flag combinations before starting anything
     d = init_distributed(args.device, args.hsdp_replicate)
@@ -377,4 +379,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -14,11 +14,14 @@ values for any world size or mesh shape (see ``scripts/model.py``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import fnmatch
 import math
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -85,6 +88,33 @@ def init_distributed(device_type: str, hsdp_replicate: int) -> Dist:
     world = dist.get_world_size()
     mesh = _data_parallel_mesh(device_type, world, hsdp_replicate)
     return Dist(dist.get_rank(), world, local_rank, device, mesh)
+
+
+def enable_crash_traces() -> None:
+    """On SIGSEGV/SIGABRT/SIGBUS/SIGFPE print every Python thread's stack to stderr, so a
+    rank that dies in C++ (a collective, a kernel, teardown) says where it was."""
+    if sys.__stderr__ is not None:  # the process's own stderr, not a test's capture of it
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a launched rank after ``dist.destroy_process_group()``: flush stdout and stderr,
+    then ``os._exit(code)``, skipping interpreter finalization.
+
+    Why: destroying the process group unregisters it, but FSDP state, the device mesh and
+    reference cycles keep the C++ process group alive, and its worker threads (gloo's
+    runLoop, NCCL's watchdog) may still be dropping their last collectives' tensors when the
+    main thread returns. Freeing a tensor whose Python object C++ kept alive needs the GIL;
+    a thread that asks for the GIL while Python finalizes is ended with ``pthread_exit``,
+    which aborts from a destructor ("terminate called without an active exception",
+    SIGABRT). torchrun then reports the finished run as failed (and with ``--max-restarts``
+    restarts it). CI saw this once on rank 1 of a 2-step CPU run after every output was
+    written. The callers close every file they write before this point (metrics are
+    appended with a ``with`` block per line), so nothing is lost by skipping finalization.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _restart_count() -> int:
