@@ -348,7 +348,6 @@ def torchao_status() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    enable_crash_traces()
     args = parse_args(argv)
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
@@ -392,6 +391,7 @@ def _payload(args, device, world: int, ao_error: str | None, results: list[dict]
     }
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # process-wide: crash traces on, no finalization at exit
+    enable_crash_traces()
     main()
     exit_rank(0)

@@ -368,7 +368,6 @@ def _train_time(records: list[dict]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    enable_crash_traces()
     args = parse_args(argv)
     config = float8_config(args)  # refuse bad flag combinations before starting anything
     d = init_distributed(args.device, args.hsdp_replicate)
@@ -378,5 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # process-wide: crash traces on, no finalization at exit
+    enable_crash_traces()
     exit_rank(main())
