@@ -77,7 +77,7 @@ from scripts.bench_common import (
 )
 from scripts.bench_fsdp_report import KINDS, combine, table
 from scripts.model import Transformer, model_args
-from scripts.train_utils import enable_crash_traces, exit_rank
+from scripts.rank_exit import enable_crash_traces, exit_rank
 
 CONFIGS = (
     "bf16",

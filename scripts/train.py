@@ -56,7 +56,12 @@ from scripts.checkpoint import (
     resume_source,
 )
 from scripts.data import TokenBatcher, ValidationBatches, load_tokens_from_args
+from scripts.float8_flags import describe, float8_config
 from scripts.model import flops_per_token, num_params
+from scripts.optimizer import build_optimizer, build_scheduler
+from scripts.process_group import Dist, init_distributed
+from scripts.rank_exit import enable_crash_traces, exit_rank
+from scripts.sharded_model import build_model, check_vocab, conversion_counts
 from scripts.train_args import parse_args
 from scripts.train_log import (
     MetricsFile,
@@ -67,19 +72,6 @@ from scripts.train_log import (
     peak_memory_bytes,
     read_metrics,
     summary,
-)
-from scripts.train_utils import (
-    Dist,
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    check_vocab,
-    conversion_counts,
-    describe,
-    enable_crash_traces,
-    exit_rank,
-    float8_config,
-    init_distributed,
 )
 
 EXIT_NON_FINITE = 3

@@ -11,8 +11,8 @@ import argparse
 import torch
 
 from scripts.data import add_data_args
+from scripts.float8_flags import RECIPES, SCALINGS
 from scripts.model import PRESETS
-from scripts.train_utils import RECIPES, SCALINGS
 
 
 def build_parser() -> argparse.ArgumentParser:

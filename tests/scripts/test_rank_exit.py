@@ -1,4 +1,4 @@
-"""How a launched rank ends (``scripts.train_utils.exit_rank``) and what it prints when it
+"""How a launched rank ends (``scripts.rank_exit.exit_rank``) and what it prints when it
 dies in C++ (``enable_crash_traces``), checked in child processes."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def test_exit_rank_flushes_buffered_output_and_keeps_the_code() -> None:
     # stdout is a pipe here, so it is block-buffered: os._exit alone would drop these lines
     result = run_child(
         "import sys\n"
-        "from scripts.train_utils import exit_rank\n"
+        "from scripts.rank_exit import exit_rank\n"
         "print('summary line', end='')\n"
         "sys.stderr.write('warning line')\n"
         "exit_rank(7)\n"
@@ -35,7 +35,7 @@ def test_exit_rank_flushes_buffered_output_and_keeps_the_code() -> None:
 def test_crash_traces_name_the_python_frame_of_an_abort() -> None:
     result = run_child(
         "import os\n"
-        "from scripts.train_utils import enable_crash_traces\n"
+        "from scripts.rank_exit import enable_crash_traces\n"
         "def teardown_step():\n"
         "    os.abort()\n"
         "enable_crash_traces()\n"

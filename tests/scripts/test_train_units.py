@@ -12,10 +12,11 @@ import pytest
 from fsdp_float8 import ScalingType
 from scripts import compare
 from scripts.checkpoint import Checkpointer
+from scripts.float8_flags import float8_config, parse_static_scales
+from scripts.optimizer import WarmupCosine
 from scripts.train import describe
 from scripts.train_args import parse_args
 from scripts.train_log import MetricsFile, format_summary, read_metrics, summary
-from scripts.train_utils import WarmupCosine, float8_config, parse_static_scales
 
 
 def test_defaults_are_the_make_train_run() -> None:

@@ -1,0 +1,105 @@
+"""The float8 flags of ``scripts/train.py``: from ``--recipe``/``--scaling``/... to a
+``Float8LinearConfig``, the filter choosing which linears convert, and a one-line name of
+the configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+
+from torch import nn
+
+from fsdp_float8 import CastConfig, DelayedScalingConfig, Float8LinearConfig
+from fsdp_float8.convert import dims_divisible_by_16
+
+RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+SCALINGS = ("dynamic", "delayed", "static")
+# static scales multiply hp values into float8 range: roughly fp8_max / expected amax
+DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
+
+
+def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
+    """The float8 config the flags ask for (None for ``--recipe off``); exits with the
+    config's own message when the combination is refused."""
+    if args.recipe == "off":
+        return None
+    all_gather = args.fp8_all_gather
+    if all_gather is None:  # default: on where the recipe allows it
+        all_gather = args.recipe == "tensorwise"
+    overrides: dict = {"enable_fsdp_float8_all_gather": all_gather, "emulate": args.emulate}
+    if args.scaling != "dynamic":
+        if args.recipe != "tensorwise":
+            raise SystemExit(
+                f"--scaling {args.scaling} with --recipe {args.recipe}: delayed and static "
+                "scaling are tensorwise only; use --recipe tensorwise or --scaling dynamic"
+            )
+        overrides.update(_cast_overrides(args))
+    try:
+        return Float8LinearConfig.from_recipe_name(args.recipe, **overrides)
+    except ValueError as err:
+        hint = ""
+        if all_gather and args.recipe != "tensorwise":
+            hint = (
+                f"\nfloat8 all-gather is not supported with --recipe {args.recipe} yet "
+                "(rowwise weights are scaled per row along the dim FSDP shards); "
+                "drop --fp8-all-gather"
+            )
+        raise SystemExit(f"float8 config refused: {err}{hint}") from None
+
+
+def _cast_overrides(args: argparse.Namespace) -> dict:
+    if args.scaling == "delayed":
+        cast = CastConfig(scaling_type="delayed")
+        casts = {op: cast for op in DEFAULT_STATIC_SCALES}
+        extra = {"delayed_scaling_config": DelayedScalingConfig(history_len=args.delayed_history)}
+    else:
+        scales = parse_static_scales(args.static_scales)
+        casts = {op: CastConfig(scaling_type="static", static_scale=s) for op, s in scales.items()}
+        extra = {}
+    return {f"cast_config_{op}": cast for op, cast in casts.items()} | extra
+
+
+def parse_static_scales(text: str | None) -> dict[str, float]:
+    """``"input=64,weight=2048"`` -> scales per operand, defaults for the rest."""
+    scales = dict(DEFAULT_STATIC_SCALES)
+    for item in filter(None, (text or "").split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in scales or not value:
+            raise SystemExit(
+                f"--static-scales item {item!r}; expected NAME=VALUE with NAME in "
+                f"{sorted(scales)}, e.g. input=64,weight=2048,grad_output=1048576"
+            )
+        scales[name.strip()] = float(value)
+    return scales
+
+
+def float8_filter(skip_patterns: list[str]):
+    """Convert the linears inside the blocks whose dims are multiples of 16, except those
+    matching a ``--float8-skip`` glob; the output head always stays high precision."""
+
+    def accept(module: nn.Module, fqn: str) -> bool:
+        if not fqn.startswith("blocks."):
+            return False
+        if any(fnmatch.fnmatchcase(fqn, p) for p in skip_patterns):
+            return False
+        return dims_divisible_by_16(module, fqn)
+
+    return accept
+
+
+def describe(a: argparse.Namespace) -> str:
+    """One line naming the configuration, e.g. 'tensorwise/dynamic fp8-all-gather bf16'."""
+    if a.recipe == "off":
+        parts = ["off"]
+    else:
+        parts = [f"{a.recipe}/{a.scaling}"]
+        all_gather = a.fp8_all_gather if a.fp8_all_gather is not None else a.recipe == "tensorwise"
+        parts.append("fp8-all-gather" if all_gather else "hp-all-gather")
+        if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
+            parts.append("precompute" if a.precompute else "no-precompute")
+    parts.append(a.mixed_precision)
+    if a.hsdp_replicate > 1:
+        parts.append(f"hsdp-replicate={a.hsdp_replicate}")
+    parts += [flag for flag in ("activation_checkpointing", "compile") if getattr(a, flag)]
+    return " ".join(parts)

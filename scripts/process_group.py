@@ -1,0 +1,99 @@
+"""Process group and device mesh of a launched rank (``scripts/train.py``,
+``scripts/bench_fsdp.py``).
+
+Mental model: ``init_distributed`` turns the environment into a ``Dist`` (rank, world,
+device, data-parallel mesh). Three ways in: torchrun's environment (env:// rendezvous), a
+restarted torchrun attempt (its own key prefix on the agent's store, see
+``_restarted_on_agent_store``), or a plain ``python -m`` start (one rank, in-memory store).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: rank, world size, device and the data-parallel mesh."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str, hsdp_replicate: int) -> Dist:
+    """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
+
+    Under torchrun the rendezvous comes from the environment; started as a plain
+    ``python -m scripts.train`` it runs as a single rank with an in-memory store.
+    """
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    device_id = device if device_type == "cuda" else None
+    if "RANK" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif _restarted_on_agent_store():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.PrefixStore(f"scripts.train/attempt_{_restart_count()}", _agent_store(world))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, device_id=device_id
+        )
+    else:
+        dist.init_process_group(backend, device_id=device_id)
+    world = dist.get_world_size()
+    mesh = _data_parallel_mesh(device_type, world, hsdp_replicate)
+    return Dist(dist.get_rank(), world, local_rank, device, mesh)
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _restarted_on_agent_store() -> bool:
+    # torch 2.13: torchrun's workers share the agent's TCPStore with no per-attempt key
+    # prefix, so after a restart gloo reads the previous attempt's peer addresses and fails
+    # with "Connection refused" (pytorch/pytorch#135712 is the NCCL face of it). Give each
+    # attempt its own prefix. TORCHELASTIC_RESTART_COUNT is consistent among the workers of
+    # one agent; multi-node restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # (a fresh store per round), which also turns this path off.
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _restart_count() > 0
+
+
+def _agent_store(world: int) -> dist.Store:
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def _data_parallel_mesh(device_type: str, world: int, replicate: int) -> DeviceMesh:
+    if replicate < 1 or world % replicate != 0:
+        raise SystemExit(
+            f"--hsdp-replicate {replicate} with {world} ranks: expected a divisor of the world "
+            f"size (replicate x shard = {world})"
+        )
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
