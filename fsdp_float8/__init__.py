@@ -19,7 +19,11 @@ from fsdp_float8.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fsdp_float8.convert import ConversionReport, convert_to_float8_training
+from fsdp_float8.convert import (
+    ConversionReport,
+    convert_to_float8_training,
+    dims_divisible_by_16,
+)
 from fsdp_float8.float8_ops import scaled_mm
 from fsdp_float8.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
 from fsdp_float8.fsdp import (
@@ -65,6 +69,7 @@ __all__ = [
     "ScalingType",
     "StaticFloat8Weight",
     "convert_to_float8_training",
+    "dims_divisible_by_16",
     "enable_float8_reduce_scatter",
     "hp_to_float8",
     "precompute_float8_dynamic_scale_for_fsdp",

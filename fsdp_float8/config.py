@@ -11,7 +11,12 @@ Field names follow the ones torchao users know, so switching is a change of impo
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
+import numbers
+import types
+import typing
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -80,6 +85,41 @@ class ScalingGranularity(enum.Enum):
     AXISWISE = "axiswise"
 
 
+def check_field_types(obj: object) -> None:
+    """TypeError naming the field, the value and the expected type, for each field of a
+    config dataclass whose value does not match its annotation. Numbers are checked as
+    numbers (an int is a float, a bool is neither); an enum field also takes its string
+    value (coerced later)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        allowed = _allowed_types(hints[f.name])
+        if not any(_matches(value, t) for t in allowed):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise TypeError(
+                f"{type(obj).__name__}.{f.name}={value!r} has type {type(value).__name__}; "
+                f"expected {names}; pass a {names} value (strings are not parsed)"
+            )
+
+
+def _allowed_types(hint) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _matches(value: object, expected: type) -> bool:
+    if isinstance(value, bool) or expected is bool:
+        return isinstance(value, bool) and expected is bool
+    if expected is float:
+        return isinstance(value, numbers.Real)
+    if expected is int:
+        return isinstance(value, numbers.Integral)
+    if issubclass(expected, enum.Enum) and isinstance(value, str):
+        return True
+    return isinstance(value, expected)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CastConfig:
     """How one operand is cast for one GEMM. `target_dtype=None` means the operand's
@@ -91,6 +131,7 @@ class CastConfig:
     static_scale: float | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _coerce_enum(self, "scaling_type", ScalingType)
         _coerce_enum(self, "scaling_granularity", ScalingGranularity)
         if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
@@ -99,11 +140,8 @@ class CastConfig:
                 f"expected one of {FLOAT8_DTYPES} or None for the operand's default"
             )
         static = self.scaling_type is ScalingType.STATIC
-        if static and (self.static_scale is None or not self.static_scale > 0):
-            raise ValueError(
-                f"static scaling needs static_scale > 0, got {self.static_scale!r}; pass "
-                "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
-            )
+        if static:
+            self._check_static_scale()
         if not static and self.static_scale is not None:
             raise ValueError(
                 f"static_scale={self.static_scale} is only used with scaling_type=static, "
@@ -115,6 +153,28 @@ class CastConfig:
                 f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
                 "per operand), got scaling_granularity=axiswise; use dynamic axiswise scaling "
                 "or tensorwise granularity"
+            )
+
+    def _check_static_scale(self) -> None:
+        scale = self.static_scale
+        if scale is None or not scale > 0 or not math.isfinite(scale):
+            raise ValueError(
+                f"static scaling needs a finite static_scale > 0, got {scale!r}; pass "
+                "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
+            )
+        # hp * scale lands in float8 range; fp8_max / scale (the largest hp value the cast
+        # keeps) must be a finite float32 and 1 / scale (what the GEMM multiplies by) must
+        # not underflow float32, or outputs come out NaN or all zero
+        f32 = torch.finfo(torch.float32)
+        dtypes = (self.target_dtype,) if self.target_dtype else (E4M3, E5M2)
+        lo = max(scaling.float8_max(d) for d in dtypes) / f32.max
+        hi = 1 / f32.tiny
+        if not lo <= scale <= hi:
+            raise ValueError(
+                f"static_scale={scale!r} is outside [{lo:.3g}, {hi:.3g}]: fp8_max / "
+                "static_scale must be a finite float32 and 1 / static_scale must not "
+                "underflow. The scale multiplies values into float8 range: pass fp8_max / "
+                "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
             )
 
     @property
@@ -137,7 +197,8 @@ class DelayedScalingConfig:
     max_forwards_without_sync: int = 64
 
     def __post_init__(self) -> None:
-        if not isinstance(self.history_len, int) or self.history_len < 1:
+        check_field_types(self)
+        if self.history_len < 1:
             raise ValueError(f"history_len must be an int >= 1, got {self.history_len!r}")
         if self.scale_fn_name not in ("max", "most_recent"):
             raise ValueError(
@@ -152,6 +213,9 @@ class DelayedScalingConfig:
 @dataclass(frozen=True, kw_only=True)
 class Float8GemmConfig:
     use_fast_accum: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
 
 
 _OPERAND_FIELD = {
@@ -187,6 +251,7 @@ class Float8LinearConfig:
     save_input_in_float8: bool = False
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for gemm, (left, right) in GEMM_OPERANDS.items():
             if self.cast(left, gemm).enabled != self.cast(right, gemm).enabled:
                 raise ValueError(
@@ -301,6 +366,10 @@ class Float8LinearConfig:
         return scaling.DynamicScaling(
             granularity=granularity, power_of_2=self.round_scales_to_power_of_2
         )
+
+    def any_float8(self) -> bool:
+        """False when every cast is disabled (all three GEMMs in high precision)."""
+        return any(self.cast(op, g).enabled for (op, g) in _OPERAND_FIELD)
 
     def scaling_types(self) -> set[ScalingType]:
         return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}

@@ -1,9 +1,11 @@
 """Module swap: nn.Linear -> Float8Linear, post-order, parameters shared not copied.
 
-`convert_to_float8_training` walks the model children first (so a replaced child is never
-visited again), asks the filter about each nn.Linear, and records what it converted and
-what it skipped with the reason (`ConversionReport`, kept on the model as
-`model.float8_conversion_report`).
+`convert_to_float8_training` first plans: it walks the model children first, asks the
+filter about each nn.Linear once, and records what it will convert and what it skips with
+the reason (`ConversionReport`, kept on the model as `model.float8_conversion_report`).
+Every refusal (a config that casts nothing, a layer already converted with another config,
+a tied weight under float8 all-gather) is raised from the plan, before any module changes.
+Then it swaps. A root nn.Linear is converted too, and the new module is returned.
 """
 
 from __future__ import annotations
@@ -36,56 +38,86 @@ def dims_divisible_by_16(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+@dataclass
+class _Swap:
+    parent: nn.Module | None  # None for a root nn.Linear
+    name: str
+    fqn: str
+    linear: nn.Linear
+
+
 def convert_to_float8_training(
     model: nn.Module,
     *,
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
 ) -> nn.Module:
-    """Swap every nn.Linear that the filter accepts for a Float8Linear, in place.
+    """Swap every nn.Linear that the filter accepts for a Float8Linear, in place, and
+    return the model (for a root nn.Linear: the new Float8Linear).
 
-    The filter gets `(module, fully_qualified_name)`. Without one, linears whose dims are
-    not multiples of 16 are skipped (unless `config.pad_inner_dim`). With
-    `config.enable_fsdp_float8_all_gather`, each converted weight is wrapped so that FSDP2
-    all-gathers it in float8 (apply `fully_shard` after this call).
+    The filter gets `(module, fully_qualified_name)` (the root's name is ""). Without one,
+    linears whose dims are not multiples of 16 are skipped (unless `config.pad_inner_dim`).
+    With `config.enable_fsdp_float8_all_gather`, each converted weight is wrapped so that
+    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call).
     """
     config = config or Float8LinearConfig()
+    _refuse_high_precision_config(config)
     report = ConversionReport()
-    if isinstance(model, nn.Linear) and not isinstance(model, Float8Linear):
-        raise TypeError(
-            "convert_to_float8_training swaps children in place, so the root cannot be an "
-            "nn.Linear; wrap it (e.g. nn.Sequential(linear)) or use Float8Linear.from_float"
-        )
+    plan: list[_Swap] = []
+    if isinstance(model, nn.Linear):
+        if any(True for _ in model.children()):
+            raise ValueError(
+                f"the root {type(model).__name__} has children {list(dict(model.named_children()))}"
+                "; converting it would drop them. Convert a module that holds it instead"
+            )
+        _plan_linear(_Swap(None, "", "", model), config, module_filter_fn, report, plan)
+    else:
+        _plan_children(model, "", config, module_filter_fn, report, plan)
     if config.enable_fsdp_float8_all_gather:
-        _refuse_tied_linear_weights(model)
-    _swap(model, "", config, module_filter_fn, report)
+        _refuse_tied_weights(model, plan, module_filter_fn)
+    for swap in plan:
+        new = _to_float8(swap.linear, config)
+        if swap.parent is None:
+            model = new
+        else:
+            setattr(swap.parent, swap.name, new)
+        report.converted.append(swap.fqn)
     model.float8_conversion_report = report
     return model
 
 
-def _swap(parent, prefix, config, module_filter_fn, report) -> None:
+def _to_float8(linear: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
+    new = Float8Linear.from_float(linear, config)
+    if config.enable_fsdp_float8_all_gather:
+        from fsdp_float8.weight_wrappers import wrap_weight
+
+        new.weight = wrap_weight(new.weight, new)
+    return new
+
+
+def _plan_children(parent, prefix, config, module_filter_fn, report, plan) -> None:
     for name, child in list(parent.named_children()):
         fqn = f"{prefix}.{name}" if prefix else name
-        _swap(child, fqn, config, module_filter_fn, report)
-        if not isinstance(child, nn.Linear) or isinstance(child, Float8Linear):
-            continue
-        if isinstance(child.weight, DTensor):
-            raise ValueError(
-                f"{fqn}.weight is already a DTensor: convert_to_float8_training must run "
-                "before fully_shard (build the model, convert it, then fully_shard the "
-                "blocks and the root)"
-            )
-        why = _skip_reason(child, fqn, config, module_filter_fn)
-        if why:
-            report.skipped[fqn] = why
-            continue
-        new = Float8Linear.from_float(child, config)
-        if config.enable_fsdp_float8_all_gather:
-            from fsdp_float8.weight_wrappers import wrap_weight
+        _plan_children(child, fqn, config, module_filter_fn, report, plan)
+        if isinstance(child, nn.Linear):
+            _plan_linear(_Swap(parent, name, fqn, child), config, module_filter_fn, report, plan)
 
-            new.weight = wrap_weight(new.weight, new)
-        setattr(parent, name, new)
-        report.converted.append(fqn)
+
+def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:
+    child, fqn = swap.linear, swap.fqn
+    if isinstance(child.weight, DTensor):
+        raise ValueError(
+            f"{fqn or 'the root'}.weight is already a DTensor: convert_to_float8_training must "
+            "run before fully_shard (build the model, convert it, then fully_shard the "
+            "blocks and the root)"
+        )
+    why = _skip_reason(child, fqn, config, module_filter_fn)
+    if why is None and isinstance(child, Float8Linear):
+        why = _already_converted(child, fqn, config)
+    if why:
+        report.skipped[fqn] = why
+    else:
+        plan.append(swap)
 
 
 def _skip_reason(child, fqn, config, module_filter_fn) -> str | None:
@@ -99,16 +131,47 @@ def _skip_reason(child, fqn, config, module_filter_fn) -> str | None:
     return None
 
 
-def _refuse_tied_linear_weights(model: nn.Module) -> None:
+def _already_converted(child: Float8Linear, fqn: str, config: Float8LinearConfig) -> str:
+    if child.config == config:
+        return "already a Float8Linear with this config"
+    raise ValueError(
+        f"{fqn or 'the root'} is already a Float8Linear with another config "
+        f"({child.extra_repr()}; {child.config}); converting again would keep that config. "
+        "Convert the original (unconverted) model, or exclude this layer with module_filter_fn"
+    )
+
+
+def _refuse_high_precision_config(config: Float8LinearConfig) -> None:
+    if not config.any_float8():
+        raise ValueError(
+            "every cast of this Float8LinearConfig is disabled, so no GEMM would run in "
+            "float8 while the layers would be reported as converted; enable at least one "
+            "cast (e.g. Float8LinearConfig.from_recipe_name('tensorwise')) or do not convert"
+        )
+
+
+def _refuse_tied_weights(model: nn.Module, plan: list[_Swap], module_filter_fn) -> None:
+    """A float8 all-gathered weight cannot serve another module in high precision."""
     owners: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(fqn)
-    for fqn, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and len(owners.get(id(mod.weight), [])) > 1:
-            names = owners[id(mod.weight)]
-            raise ValueError(
-                f"{fqn}.weight is tied to {names}; a float8 all-gathered weight cannot also "
-                "serve another module in high precision. Untie the weights, or keep this "
-                "layer out of float8 with module_filter_fn (e.g. lambda m, fqn: fqn != "
-                f"{fqn!r}), or set enable_fsdp_float8_all_gather=False"
+    for swap in plan:
+        names = owners.get(id(swap.linear.weight), [])
+        if len(names) <= 1:
+            continue
+        tied = tuple(s.fqn for s in plan if s.linear.weight is swap.linear.weight)
+        keep_out = f"fqn != {tied[0]!r}" if len(tied) == 1 else f"fqn not in {tied!r}"
+        if module_filter_fn is None:
+            remedy = (
+                f"`module_filter_fn=lambda m, fqn: {keep_out} and "
+                "fsdp_float8.dims_divisible_by_16(m, fqn)` (the default filter, less this layer)"
             )
+        else:
+            names_out = " and ".join(repr(t) for t in tied)
+            remedy = f"your module_filter_fn also returning False for {names_out}"
+        raise ValueError(
+            f"{swap.fqn or 'the root'}.weight is tied to {names}; a float8 all-gathered "
+            "weight cannot also serve another module in high precision. Untie the weights, "
+            f"or keep this layer out of float8 with {remedy}, or set "
+            "enable_fsdp_float8_all_gather=False"
+        )

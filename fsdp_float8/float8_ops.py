@@ -212,9 +212,13 @@ def _gemm_scales(
             f"(shape (1, {n})), got {tuple(inv_a.shape)} and {tuple(inv_b.shape)}: each "
             "operand must be scaled along the GEMM's contraction dim"
         )
-    inv_a = inv_a.expand(m, 1).contiguous()
-    inv_b = inv_b.expand(1, n).contiguous()
-    return inv_a, inv_b
+    return _dense(inv_a.expand(m, 1)), _dense(inv_b.expand(1, n))
+
+
+def _dense(scale: torch.Tensor) -> torch.Tensor:
+    """A fresh row-major copy: `contiguous()` keeps the stride 0 of an expanded size-1 or
+    size-0 dim (M = 1 or 0 tokens), which torch._scaled_mm rejects."""
+    return scale.clone(memory_format=torch.contiguous_format)
 
 
 def _pad_rows(data: torch.Tensor, pad: int, dim: int) -> torch.Tensor:
@@ -284,8 +288,8 @@ def scaled_mm_data(
         # CPU torch._scaled_mm (torch 2.13) sends 0-d scales of same-dtype operands to a
         # oneDNN kernel ~300x slower than its per-row path; the same values as (M, 1) and
         # (1, N) take the fast path and agree to float32 rounding.
-        inv_a = inv_a.expand(a_data.shape[0], 1).contiguous()
-        inv_b = inv_b.expand(1, b_data.shape[1]).contiguous()
+        inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
+        inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
     return torch._scaled_mm(
         a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )

@@ -307,6 +307,7 @@ class Float8Linear(nn.Linear):
         return states
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input_dtype(x)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         with torch.autocast(x.device.type, enabled=False):
@@ -329,6 +330,16 @@ class Float8Linear(nn.Linear):
             parts.append(f"{op.value}={text}")
         fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
         return f"{super().extra_repr()}, {', '.join(parts)}{fsdp}"
+
+
+def _check_input_dtype(x: torch.Tensor) -> None:
+    # nn.Linear raises on these; the float8 cast would otherwise truncate (int) or fail late
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise TypeError(
+            f"Float8Linear input has dtype {x.dtype}; expected a floating-point tensor "
+            "(float32, bfloat16, float16 or float64), as nn.Linear needs. Cast it with "
+            "x.float() (token ids go through an nn.Embedding first)"
+        )
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:

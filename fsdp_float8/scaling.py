@@ -77,9 +77,14 @@ def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
 
 
 def axis_amax(hp: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| along `dim` (kept, so it broadcasts back), float32. On CUDA one aminmax pass;
-    on CPU amin then amax, which there run 3x to 6x faster than aminmax along a dim."""
+    """max |x| along `dim` (kept, so it broadcasts back), float32; 0 where `dim` is empty.
+    On CUDA one aminmax pass; on CPU amin then amax, which there run 3x to 6x faster than
+    aminmax along a dim."""
     hp = hp.detach()
+    if hp.shape[dim] == 0:  # no rows to reduce (an empty batch): amax 0, as tensor_amax
+        shape = list(hp.shape)
+        shape[dim] = 1
+        return torch.zeros(shape, dtype=torch.float32, device=hp.device)
     if hp.is_cuda:
         lo, hi = torch.aminmax(hp, dim=dim, keepdim=True)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from fsdp_float8 import (
     CastConfig,
     DelayedScalingConfig,
+    Float8GemmConfig,
     Float8LinearConfig,
     Gemm,
     Operand,
@@ -197,3 +199,65 @@ def test_strategy_objects_follow_the_config() -> None:
     delayed = config.strategy(Operand.WEIGHT, Gemm.GRAD_INPUT)
     assert delayed == DelayedScaling(history_len=5, scale_fn_name="most_recent", power_of_2=True)
     assert config.scaling_types() == {ScalingType.STATIC, ScalingType.DELAYED, ScalingType.DYNAMIC}
+
+
+@pytest.mark.parametrize(
+    "build, field, expected",
+    [
+        (lambda: Float8LinearConfig(emulate="False"), "Float8LinearConfig.emulate='False'", "bool"),
+        (
+            lambda: Float8LinearConfig(cast_config_input={"scaling_type": "dynamic"}),
+            "Float8LinearConfig.cast_config_input={'scaling_type': 'dynamic'}",
+            "CastConfig",
+        ),
+        (
+            lambda: Float8LinearConfig(delayed_scaling_config=None),
+            "Float8LinearConfig.delayed_scaling_config=None",
+            "DelayedScalingConfig",
+        ),
+        (
+            lambda: Float8LinearConfig(gemm_config_output=True),
+            "Float8LinearConfig.gemm_config_output=True",
+            "Float8GemmConfig",
+        ),
+        (lambda: DelayedScalingConfig(history_len=True), "history_len=True", "int"),
+        (lambda: DelayedScalingConfig(max_forwards_without_sync=2.5), "sync=2.5", "int"),
+        (
+            lambda: CastConfig(scaling_type="static", static_scale="64"),
+            "CastConfig.static_scale='64'",
+            "float or None",
+        ),
+        (lambda: CastConfig(scaling_type=3), "CastConfig.scaling_type=3", "ScalingType"),
+        (lambda: CastConfig(target_dtype="e4m3"), "target_dtype='e4m3'", "dtype or None"),
+        (lambda: Float8GemmConfig(use_fast_accum=1), "use_fast_accum=1", "bool"),
+    ],
+)
+def test_wrongly_typed_fields_name_the_field_value_and_type(build, field, expected) -> None:
+    with pytest.raises(TypeError) as info:
+        build()
+    message = str(info.value)
+    assert field in message and f"expected {expected}" in message, message
+
+
+def test_numbers_of_another_python_type_are_accepted() -> None:
+    assert CastConfig(scaling_type="static", static_scale=64).static_scale == 64
+    assert DelayedScalingConfig(history_len=4).history_len == 4
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e-45, 1e-35, 1e38])
+def test_static_scale_outside_the_float32_safe_range(bad: float) -> None:
+    # 1e-45: fp8_max / scale overflows float32 (outputs NaN); 1e38: 1 / scale underflows
+    with pytest.raises(
+        ValueError, match=re.escape(f"static_scale={bad!r}") + "|" + re.escape(f"got {bad!r}")
+    ) as info:
+        CastConfig(scaling_type="static", static_scale=bad)
+    assert "fp8_max / expected amax" in str(info.value)
+
+
+def test_static_scale_range_edges_are_usable() -> None:
+    # the bounds are where the arithmetic still works: check the cast and inv_scale there
+    f32 = torch.finfo(torch.float32)
+    for scale in (448.0 / f32.max * 1.01, 1 / f32.tiny * 0.99):
+        cfg = CastConfig(scaling_type="static", static_scale=scale, target_dtype=E4M3)
+        s = torch.tensor(cfg.static_scale, dtype=torch.float32)
+        assert torch.isfinite(448.0 / s) and s.reciprocal() > 0

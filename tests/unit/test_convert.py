@@ -3,11 +3,14 @@ not divisible by 16 and says why, parameters are shared not copied."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
-from fsdp_float8 import Float8Linear, Float8LinearConfig, convert_to_float8_training
+import fsdp_float8
+from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig, convert_to_float8_training
 from scripts.model import Transformer, model_args
 
 
@@ -90,22 +93,87 @@ def test_converted_outputs_match_the_original() -> None:
     torch.testing.assert_close(got, want, rtol=0.1, atol=0.1)
 
 
-def test_root_linear_and_repeat_conversion() -> None:
-    with pytest.raises(TypeError, match=r"nn.Sequential\(linear\)"):
-        convert_to_float8_training(nn.Linear(64, 64))
+def test_root_linear_is_converted_and_returned() -> None:
+    linear = nn.Linear(64, 32)
+    new = convert_to_float8_training(linear, config=Float8LinearConfig())
+    assert isinstance(new, Float8Linear) and new.weight is linear.weight
+    assert new.float8_conversion_report.converted == [""]
+    kept = convert_to_float8_training(nn.Linear(64, 32), module_filter_fn=lambda m, fqn: False)
+    assert type(kept) is nn.Linear and kept.float8_conversion_report.skipped == {
+        "": "rejected by module_filter_fn"
+    }
+
+
+def test_repeat_conversion_with_the_same_config_leaves_layers_alone() -> None:
     model = convert_to_float8_training(_model())
     layer = model[0]
-    convert_to_float8_training(model)  # already converted layers are left alone
+    convert_to_float8_training(model)
     assert model[0] is layer and _float8_fqns(model) == ["0", "1.0"]
+    assert model.float8_conversion_report.converted == []
+    assert model.float8_conversion_report.skipped["0"] == "already a Float8Linear with this config"
 
 
-def test_tied_weights_refused_with_float8_all_gather() -> None:
+def test_repeat_conversion_with_another_recipe_raises_naming_the_existing_config() -> None:
+    model = convert_to_float8_training(_model(), config=Float8LinearConfig.tensorwise())
+    with pytest.raises(ValueError, match="0 is already a Float8Linear with another config") as e:
+        convert_to_float8_training(model, config=Float8LinearConfig.rowwise())
+    assert "input=dyn_tw:e4m3" in str(e.value) and "Convert the original" in str(e.value)
+    assert model[0].config == Float8LinearConfig.tensorwise()  # nothing changed
+
+
+def test_a_config_with_every_cast_disabled_is_refused() -> None:
+    off = CastConfig(scaling_type="disabled")
+    config = Float8LinearConfig(
+        cast_config_input=off, cast_config_weight=off, cast_config_grad_output=off
+    )
+    model = _model()
+    with pytest.raises(ValueError, match="every cast of this Float8LinearConfig is disabled"):
+        convert_to_float8_training(model, config=config)
+    assert _float8_fqns(model) == []
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 20)  # not /16: the default filter skips it
+        self.out = nn.Linear(32, 64, bias=False)
+        self.out.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("user_filter", [False, True])
+def test_tied_weight_refusal_remedy_works_when_followed(user_filter: bool) -> None:
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    first = (lambda m, fqn: fqn != "head") if user_filter else None
+    with pytest.raises(
+        ValueError, match=r"out.weight is tied to \['emb.weight', 'out.weight'\]"
+    ) as e:
+        convert_to_float8_training(_Tied(), config=config, module_filter_fn=first)
+    message = str(e.value)
+    if user_filter:
+        assert "your module_filter_fn also returning False for 'out'" in message
+        remedy = lambda m, fqn: fqn not in ("head", "out")  # what the message asks for
+    else:  # the message spells the filter out: use it as written
+        code = re.search(r"`module_filter_fn=(.*?)`", message).group(1)
+        remedy = eval(code, {"fsdp_float8": fsdp_float8})
+    model = convert_to_float8_training(_Tied(), config=config, module_filter_fn=remedy)
+    assert _float8_fqns(model) == ["body"]
+    model.out(model.emb(torch.tensor([[1, 2]]))).sum().backward()
+
+
+def test_tied_linears_refused_with_float8_all_gather_until_both_are_filtered() -> None:
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
     model[1].weight = model[0].weight
     config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="is tied to") as info:
         convert_to_float8_training(model, config=config)
-    assert "module_filter_fn" in str(info.value)
+    code = re.search(r"`module_filter_fn=(.*?)`", str(info.value)).group(1)
+    assert "fqn not in ('0', '1')" in code
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=eval(code, {"fsdp_float8": fsdp_float8})
+    )
+    assert _float8_fqns(model) == []
 
 
 def test_transformer_conversion_skipping_the_output_head() -> None:
