@@ -165,8 +165,16 @@ def train_fsdp(case: Case, mesh, rank: int, world_size: int, *, counter=None) ->
     return losses
 
 
-def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
-    """Replicated float8 model on each rank, same init and local batch, grads averaged by hand."""
+def train_reference(
+    case: Case, rank: int, world_size: int, *, order: str = "all_reduce"
+) -> list[float]:
+    """Replicated float8 model on each rank, same init and local batch, grads averaged by hand.
+
+    `order` is how the per-rank gradients are summed: "all_reduce" (gloo's own order), or
+    all-gathered and added in rank order ("forward": 0..N-1) or reversed ("reverse"). With
+    2 ranks all three are the same (a + b == b + a); with more, two orders give two equally
+    valid references whose spread measures how far reduction order alone moves the losses.
+    """
     master = build_model(case)
     # rowwise weights under float8 all-gather re-cast grad_input's weight from the row-cast
     # weight, sharded or not: the reference keeps that config (its weights stay unsharded)
@@ -187,9 +195,7 @@ def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
         loss = loss_of(work, case, batch(case, step, rank, world_size))
         loss.backward()
         for w, m in zip(work.parameters(), master.parameters(), strict=True):
-            grad = w.grad.float()
-            dist.all_reduce(grad)
-            m.grad = grad / world_size
+            m.grad = _sum_over_ranks(w.grad.float(), order, world_size) / world_size
         if case.mp_bf16:
             work.zero_grad()
         opt.step()
@@ -198,6 +204,24 @@ def train_reference(case: Case, rank: int, world_size: int) -> list[float]:
             sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
         losses.append(loss.item())
     return losses
+
+
+def _sum_over_ranks(grad: torch.Tensor, order: str, world_size: int) -> torch.Tensor:
+    if order == "all_reduce":
+        dist.all_reduce(grad)
+        return grad
+    parts = [torch.empty_like(grad) for _ in range(world_size)]
+    dist.all_gather(parts, grad)
+    if order == "pairs":  # HSDP (replicas, 2): each pair in its reduce-scatter, then across
+        parts = [parts[i] + parts[i + 1] for i in range(0, world_size, 2)]
+    elif order == "reverse":
+        parts.reverse()
+    elif order != "forward":
+        raise ValueError(f"order={order!r}: expected 'all_reduce', 'forward', 'reverse' or 'pairs'")
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total
 
 
 def global_batch(case: Case, step: int, rank: int, world_size: int, rows: int = 4):

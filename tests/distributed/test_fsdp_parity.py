@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from tests.distributed.float8_cases import Case, train_fsdp, train_reference
 from tests.distributed.launcher import cpu_mesh, run_distributed
@@ -69,14 +70,49 @@ def test_parity_bf16_mixed_precision_2_ranks(tmp_path):
     assert fsdp == ref
 
 
+# Three ranks sum gradients in an order no reference can reproduce (gloo's reduce-scatter
+# order of an element depends on where it sits in FSDP2's flat buffer). The tolerance is
+# measured, not tuned: three references reduce in three orders (gloo's all-reduce, rank
+# order 0..2 and 2..0); their spread up to step t is what reduction order alone does to
+# the losses, and FSDP2's is one more such order. Allowed at step t:
+#   SPREAD_MULTIPLE * (max spread of the references over steps <= t)
+#   + FLOOR_EPS * float32 eps * (t + 1) * |loss|
+# the floor covering steps where the references happen to agree bit for bit: each step
+# adds at most a few float32 roundings of relative size eps to the losses.
+SPREAD_MULTIPLE = 4
+FLOOR_EPS = 8
+ORDERS = ("all_reduce", "forward", "reverse")
+
+
+def _grid_orders(rank: int, world_size: int, cases: list[Case]) -> list[tuple[list, list]]:
+    mesh = cpu_mesh(world_size)
+    return [
+        (
+            train_fsdp(c, mesh, rank, world_size),
+            [train_reference(c, rank, world_size, order=o) for o in ORDERS],
+        )
+        for c in cases
+    ]
+
+
+def order_tolerances(refs: list[list[float]]) -> list[float]:
+    """Per step: SPREAD_MULTIPLE x the running max spread of `refs` + the eps floor."""
+    eps = torch.finfo(torch.float32).eps
+    tols, spread = [], 0.0
+    for t, at_step in enumerate(zip(*refs, strict=True)):
+        spread = max(spread, max(at_step) - min(at_step))
+        tols.append(SPREAD_MULTIPLE * spread + FLOOR_EPS * eps * (t + 1) * abs(at_step[0]))
+    return tols
+
+
 def test_parity_uneven_sharding_3_ranks(tmp_path):
     # dim 32 over 3 ranks: 32 rows -> 11/11/10 and 64 rows -> 22/22/20 (padded shards);
-    # the narrow head has 2 rows: rank 2 holds an empty shard. Three ranks sum gradients in
-    # an order the reference cannot reproduce: a tight tolerance instead of equality.
+    # the narrow head has 2 rows: rank 2 holds an empty shard.
     base = Case(model="mlp", dim=32, n_layers=1, narrow_head=True, steps=6)
     cases = [replace(base, scaling=s) for s in ("dynamic", "delayed", "static")]
     cases.append(replace(base, precompute=False))
-    results = run_distributed(_grid, 3, tmp_path, cases, timeout_s=300)
+    results = run_distributed(_grid_orders, 3, tmp_path, cases, timeout_s=300)
     for per_case in results:
-        for case, (fsdp, ref) in zip(cases, per_case, strict=True):
-            assert fsdp == pytest.approx(ref, rel=1e-5), case.name
+        for case, (fsdp, refs) in zip(cases, per_case, strict=True):
+            for t, (got, want, tol) in enumerate(zip(fsdp, refs[0], order_tolerances(refs))):
+                assert abs(got - want) <= tol, f"{case.name} step {t}: {got} vs {want}, tol {tol}"
