@@ -1,5 +1,4 @@
-"""Checkpoints of ``scripts/train.py`` with torch.distributed.checkpoint (DCP), graceful stop
-on SIGTERM, and the crash hook used to test restarts.
+"""Checkpoints of ``scripts/train.py`` with torch.distributed.checkpoint (DCP).
 
 Mental model: a checkpoint is one DCP folder ``OUT/checkpoints/step_00000042/`` holding
 
@@ -8,19 +7,19 @@ Mental model: a checkpoint is one DCP folder ``OUT/checkpoints/step_00000042/`` 
   ``set_state_dict``. Each rank writes its own shards; DCP reshards on load, so a
   checkpoint saved on 2 ranks loads on 1 or 4;
 - ``scheduler`` (without its lambda: the schedule's shape comes from the resumed run's
-  flags), ``batcher`` (the data position), ``rng`` and ``progress`` (step, tokens).
+  flags), ``batcher`` (the data position), ``rng`` and ``progress`` (step, tokens);
+- ``manifest.json``, written after every rank's DCP files: each file's size and sha256 and
+  the run settings the checkpoint depends on (``scripts/checkpoint_manifest.py``). A folder
+  without it is an interrupted save and is ignored; ``scripts/resume.py`` verifies the
+  files against it before anything is loaded.
 
-DCP writes ``.metadata`` last, so a folder without it is an interrupted save and is
-ignored. Only the newest ``keep`` complete checkpoints are kept.
+Only the newest ``keep`` complete checkpoints are kept.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import re
 import shutil
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from scripts.checkpoint_manifest import MANIFEST, write_manifest
+
 _PREFIX = "step_"
+_STEP_DIR = re.compile(rf"{_PREFIX}(\d+)")
 
 
 class ModelOptimizerState(Stateful):
@@ -108,13 +111,16 @@ class Checkpointer:
 
     @staticmethod
     def is_complete(path: Path) -> bool:
-        return (path / ".metadata").is_file()
+        return (Path(path) / MANIFEST).is_file()
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+        """Complete checkpoints (those with a manifest), oldest first."""
+        return [p for p in self._step_dirs() if self.is_complete(p)]
+
+    def _step_dirs(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.glob(f"{_PREFIX}*") if self.is_complete(p)]
+        found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
         return sorted(found, key=step_of)
 
     def latest(self) -> Path | None:
@@ -124,97 +130,46 @@ class Checkpointer:
     def path_for(self, step: int) -> Path:
         return self.root / f"{_PREFIX}{step:08d}"
 
-    def save(self, step: int, state: dict[str, Stateful]) -> Path:
+    def save(self, step: int, state: dict[str, Stateful], settings: dict[str, Any]) -> Path:
+        """DCP save, then the manifest of checksums (collective: every rank calls it)."""
         path = self.path_for(step)
-        if self.is_main and path.exists() and not self.is_complete(path):
-            shutil.rmtree(path)  # an interrupted earlier save of this step
+        if self.is_main and path.exists():
+            shutil.rmtree(path)  # an interrupted save, or a step a fallback trains again
         dist.barrier()
         dcp.save(state, checkpoint_id=path)
-        dist.barrier()
+        dist.barrier()  # every rank's files are written
+        write_manifest(path, step=step, settings=settings)
+        dist.barrier()  # the manifest is in place before anyone prunes or reads it
         if self.is_main:
             self._prune()
         return path
 
     def load(self, path: Path, state: dict[str, Stateful]) -> None:
-        if not self.is_complete(Path(path)):
+        """DCP load of a verified checkpoint; a failure names the checkpoint and exits."""
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
             raise SystemExit(
-                f"checkpoint {path} is incomplete or missing (no .metadata); expected a "
-                f"folder written by scripts.train, e.g. {self.path_for(100)}"
-            )
-        dcp.load(state, checkpoint_id=path)
+                f"could not load checkpoint {path}, although its files match their "
+                f"checksums: {_first_lines(err)}\nresume with the flags it was saved with "
+                f"(see the run.json next to it), or use another --out"
+            ) from None
 
     def _prune(self) -> None:
         complete = self.complete()
         newest = step_of(complete[-1]) if complete else -1
         for old in complete[: max(0, len(complete) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
-        for partial in self.root.glob(f"{_PREFIX}*"):  # interrupted saves older than newest
+        for partial in self._step_dirs():  # interrupted saves older than the newest
             if not self.is_complete(partial) and step_of(partial) < newest:
                 shutil.rmtree(partial, ignore_errors=True)
 
 
+def _first_lines(err: BaseException, n: int = 6) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
 def step_of(path: Path) -> int:
-    try:
-        return int(Path(path).name.removeprefix(_PREFIX))
-    except ValueError:
-        return -1
-
-
-def resume_source(args: argparse.Namespace, ckpt: Checkpointer) -> Path | None:
-    if args.resume not in (None, "latest"):
-        return Path(args.resume)
-    latest = ckpt.latest()
-    if args.resume == "latest" and latest is None:
-        raise SystemExit(f"--resume: no complete checkpoint under {ckpt.root}")
-    if latest is not None and args.resume is None and not args.auto_resume:
-        raise SystemExit(
-            f"--out {args.out} already holds checkpoints (latest {latest}); pass --resume to "
-            "continue that run, or choose another --out"
-        )
-    return latest
-
-
-class GracefulStop:
-    """SIGTERM/SIGINT set a flag the training loop checks once per step (all ranks agree
-    through the per-step all-reduce), so the run saves a checkpoint and exits cleanly. A
-    second signal falls back to the default behaviour."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.requested:  # second signal: stop now
-            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-            os.kill(os.getpid(), signum)
-            return
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def __enter__(self) -> GracefulStop:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-
-def maybe_crash(step: int, crash_at_step: int | None, rank: int, world: int, out: Path) -> None:
-    """Test hook (``--crash-at-step K``): the last rank exits abruptly after step K, the
-    first time only (a marker file in ``out`` remembers it), so that ``torchrun
-    --max-restarts 1`` restarts the job and it resumes from the latest checkpoint."""
-    if crash_at_step is None or step != crash_at_step or rank != world - 1:
-        return
-    marker = Path(out) / f".crashed_at_step_{step}"
-    if marker.exists():
-        return
-    marker.touch()
-    print(f"[rank {rank}] --crash-at-step {step}: exiting abruptly (test hook)", flush=True)
-    sys.stderr.flush()
-    os._exit(17)
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else -1

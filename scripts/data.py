@@ -50,6 +50,7 @@ __all__ = [
     "ValidationBatches",
     "add_data_args",
     "build_token_cache",
+    "check_token_ids",
     "default_cache_dir",
     "load_tokens",
     "load_tokens_from_args",
@@ -193,6 +194,28 @@ def load_tokens(
     return TokenData(tokens=tokens, val_start=val_start, source=source, vocab_size=vocab_size)
 
 
+def check_token_ids(data: TokenData, vocab_size: int) -> None:
+    """Every token id must index the model's embedding (``0 <= id < vocab_size``): checked
+    when the data is loaded, not as an IndexError from the embedding at step 1. Byte-level
+    sources have ids below 256; a pre-tokenized file is scanned once for its largest id."""
+    if data.vocab_size is not None:
+        if data.vocab_size > vocab_size:
+            raise ValueError(
+                f"the data ({data.source}) has a vocabulary of {data.vocab_size} but the "
+                f"model's is {vocab_size}; pick a --preset whose vocab_size covers the data"
+            )
+        return
+    largest = int(data.tokens.max())
+    if largest >= vocab_size:
+        where = int(np.argmax(data.tokens >= vocab_size))
+        raise ValueError(
+            f"{data.source}: token id {largest} is outside the model's vocabulary of "
+            f"{vocab_size} (ids 0..{vocab_size - 1}; the first id out of range is at token "
+            f"{where:,}); pick a --preset whose vocab_size is above {largest}, or check the "
+            "tokenizer and --token-dtype of the file"
+        )
+
+
 def _check_layout(
     num_tokens: int, seq_len: int, global_batch: int, rank: int, world_size: int, what: str
 ) -> None:
@@ -332,7 +355,17 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
     parser.add_argument("--token-dtype", default=None, choices=["uint16", "uint32"])
-    parser.add_argument("--val-fraction", type=float, default=0.01)
+    parser.add_argument("--val-fraction", type=_fraction, default=0.01, help="in (0, 1)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
 
 
 def load_tokens_from_args(args: argparse.Namespace) -> TokenData:

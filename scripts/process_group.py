@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# long enough for a checkpoint save or a first compiled step on a slow rank, short enough
+# that a hung job ends well before torch's default 30 minutes (``--pg-timeout-s``)
+DEFAULT_TIMEOUT_S = 300.0
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -33,11 +37,16 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(device_type: str, hsdp_replicate: int) -> Dist:
+def init_distributed(
+    device_type: str, hsdp_replicate: int, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Dist:
     """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
 
     Under torchrun the rendezvous comes from the environment; started as a plain
     ``python -m scripts.train`` it runs as a single rank with an in-memory store.
+    ``timeout_s`` bounds every collective: a rank waiting longer for its peers fails
+    (gloo raises, see ``timeout_message``; NCCL's watchdog aborts the process with its own
+    message) instead of hanging for torch's default 30 minutes.
     """
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False; use --device cpu")
@@ -47,16 +56,19 @@ def init_distributed(device_type: str, hsdp_replicate: int) -> Dist:
     if device_type == "cuda":
         torch.cuda.set_device(device)
     device_id = device if device_type == "cuda" else None
+    timeout = timedelta(seconds=timeout_s)
     if "RANK" not in os.environ:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     elif _restarted_on_agent_store():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.PrefixStore(f"scripts.train/attempt_{_restart_count()}", _agent_store(world))
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, device_id=device_id
+            backend, store=store, rank=rank, world_size=world, device_id=device_id, timeout=timeout
         )
     else:
-        dist.init_process_group(backend, device_id=device_id)
+        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
     world = dist.get_world_size()
     mesh = _data_parallel_mesh(device_type, world, hsdp_replicate)
     return Dist(dist.get_rank(), world, local_rank, device, mesh)
@@ -96,4 +108,17 @@ def _data_parallel_mesh(device_type: str, world: int, replicate: int) -> DeviceM
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     return init_device_mesh(
         device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def timeout_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
+    """What to tell the user when ``err`` is a collective's timeout (None otherwise)."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or "timed out" not in text.lower():
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return (
+        f"rank {rank}: a collective did not complete within --pg-timeout-s {timeout_s:g} s "
+        f"({first}). Another rank stopped, crashed or is stuck: its log says which and why. "
+        "If the step or checkpoint save is merely slow, raise --pg-timeout-s."
     )

@@ -81,11 +81,3 @@ def conversion_counts(model: nn.Module, report) -> dict[str, int]:
         else:
             other += p.numel()
     return {"float8_params": converted, "high_precision_params": other}
-
-
-def check_vocab(data_vocab: int | None, model_vocab: int) -> None:
-    if data_vocab is not None and data_vocab > model_vocab:
-        raise SystemExit(
-            f"the data has a vocabulary of {data_vocab} but the model's is {model_vocab}; "
-            "pick a --preset whose vocab_size covers the data"
-        )

@@ -17,11 +17,14 @@ histories). Float8 applies to the linears inside the blocks; the embedding, the 
 and anything ``--float8-skip`` names stay in high precision.
 
 Outputs in ``--out``: ``metrics.jsonl`` (one line per step, see ``scripts/train_log.py``),
-``run.json`` (flags, world, conversion), ``summary.json``, ``checkpoints/step_*/`` (DCP;
-see ``scripts/checkpoint.py``). A run whose ``--out`` holds a checkpoint continues from it,
-which is also how a job restarted by ``torchrun --max-restarts N`` resumes. SIGTERM (or
-Ctrl-C) saves a checkpoint and exits 0; a non-finite loss stops with exit code 3 before the
-optimizer step, keeping the last good checkpoint.
+``run.json`` (flags, world, conversion), ``summary.json``, ``checkpoints/step_*/`` (DCP
+plus a manifest of checksums and settings; see ``scripts/checkpoint.py``). A run whose
+``--out`` holds a checkpoint continues from it, which is also how a job restarted by
+``torchrun --max-restarts N`` resumes; before the model is built the checkpoint's files
+are verified (a damaged newest one is set aside and the previous intact one used) and its
+settings compared with the flags (``scripts/resume.py``). SIGTERM (or Ctrl-C) saves a
+checkpoint and exits 0; a non-finite loss stops with exit code 3 before the optimizer step;
+a collective that waits longer than ``--pg-timeout-s`` ends the run with a message.
 """
 
 from __future__ import annotations
@@ -47,26 +50,33 @@ from fsdp_float8.comm_stats import CollectiveCounter
 from fsdp_float8.telemetry import append_jsonl
 from scripts.checkpoint import (
     Checkpointer,
-    GracefulStop,
     ModelOptimizerState,
     ProgressState,
     RNGState,
     SchedulerState,
-    maybe_crash,
-    resume_source,
 )
-from scripts.data import TokenBatcher, ValidationBatches, load_tokens_from_args
+from scripts.data import (
+    TokenBatcher,
+    TokenData,
+    ValidationBatches,
+    check_token_ids,
+    load_tokens_from_args,
+)
 from scripts.float8_flags import describe, float8_config
 from scripts.model import flops_per_token, num_params
 from scripts.optimizer import build_optimizer, build_scheduler
-from scripts.process_group import Dist, init_distributed
+from scripts.process_group import Dist, init_distributed, timeout_message
 from scripts.rank_exit import enable_crash_traces, exit_rank
-from scripts.sharded_model import build_model, check_vocab, conversion_counts
+from scripts.resume import ResumePoint, find_resume
+from scripts.resume_settings import checkpoint_settings
+from scripts.run_control import GracefulStop, maybe_crash, maybe_hang
+from scripts.sharded_model import build_args, build_model, conversion_counts
 from scripts.train_args import parse_args
 from scripts.train_log import (
     MetricsFile,
     Progress,
     Stopwatch,
+    comm_fields,
     format_summary,
     peak_flops,
     peak_memory_bytes,
@@ -88,18 +98,20 @@ class Trainer:
         self.args, self.config, self.d = args, config, d
         self.out = Path(args.out)
         torch.manual_seed(args.seed)
-        data = load_tokens_from_args(args)
+        data = load_data(args)
         layout = dict(seq_len=args.seq_len, global_batch=args.global_batch, rank=d.rank)
         self.batcher = TokenBatcher(data.train, **layout, world_size=d.world_size, seed=args.seed)
         self.val = ValidationBatches(
             data.val, **layout, world_size=d.world_size, num_batches=args.val_batches
         )
+        self.ckpt = Checkpointer(self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main)
+        self.settings = checkpoint_settings(args)
+        # verified and compared before the model is built: a refusal costs no build
+        self.resume_point: ResumePoint | None = find_resume(args, self.ckpt, self.settings)
         self.model, self.report = build_model(args, d, config)
-        check_vocab(data.vocab_size, self.model.args.vocab_size)
         self.optimizer = build_optimizer(self.model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
         self.progress_state = ProgressState()
-        self.ckpt = Checkpointer(self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main)
         self.delayed = config is not None and ScalingType.DELAYED in config.scaling_types()
         self.precompute = bool(
             config is not None
@@ -126,18 +138,14 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step it was saved at."""
-        path = resume_source(self.args, self.ckpt)
-        if path is None:
+        if self.resume_point is None:
             return 0
-        try:
-            self.ckpt.load(path, self.state())
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise SystemExit(
-                f"could not load checkpoint {path}: {err}\nresume with the model and float8 "
-                f"flags it was saved with (see {self.out / 'run.json'}), or use another --out"
-            ) from None
+        path = self.resume_point.path
+        self.ckpt.load(path, self.state())
         step = self.progress_state.step
         self.say(f"resumed from {path} at step {step} (world size {self.d.world_size})")
+        for change in self.resume_point.changed:
+            self.say(f"  changed on resume (--allow-recipe-change): {change}")
         return step
 
     def say(self, text: str) -> None:
@@ -157,6 +165,10 @@ class Trainer:
             "float8_skipped": self.report.skipped if self.report else {},
             "data": self.data_source,
         }
+        if self.resume_point is not None:
+            info["resumed_from"] = str(self.resume_point.path)
+            info["settings_changed_on_resume"] = self.resume_point.changed
+            info["damaged_checkpoints_set_aside"] = [str(p) for p in self.resume_point.damaged]
         if d.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
@@ -226,18 +238,6 @@ class Trainer:
         mfu = None
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.d.world_size)
-        comm = {"all_gather_bytes": None, "all_gather_count": None}
-        comm |= {"reduce_scatter_bytes": None, "all_reduce_bytes": None}
-        if counter is not None:
-            comm = {
-                "all_gather_bytes": counter.bytes("all_gather"),
-                "all_gather_count": counter.count("all_gather"),
-                # gradient reduction: FSDP2's reduce-scatter, or the all-to-all that
-                # --float8-reduce-scatter sends instead
-                "reduce_scatter_bytes": counter.bytes("reduce_scatter")
-                + counter.bytes("all_to_all"),
-                "all_reduce_bytes": counter.bytes("all_reduce"),
-            }
         return {
             "step": step,
             "loss": loss,
@@ -245,7 +245,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "step_time_s": seconds,
-            **comm,
+            **comm_fields(counter),
             "peak_memory_bytes": peak_memory_bytes(self.d.device),
             "mfu": mfu,
         }
@@ -269,7 +269,7 @@ class Trainer:
 
     def save(self, step: int, progress: Progress) -> None:
         timer = Stopwatch()
-        path = self.ckpt.save(step, self.state())
+        path = self.ckpt.save(step, self.state(), self.settings)
         progress.message(f"step {step}: saved checkpoint {path} ({timer.elapsed():.1f} s)")
 
     # ---- the loop ----------------------------------------------------------------------
@@ -316,6 +316,7 @@ class Trainer:
             if last or early or (a.ckpt_every > 0 and step % a.ckpt_every == 0):
                 self.save(step, progress)
             maybe_crash(step, a.crash_at_step, self.d.rank, self.d.world_size, self.out)
+            maybe_hang(step, a.hang_at_step, self.d.rank, self.d.world_size)
             if early:
                 why = f"signal {stop.signal_name}" if stop_requested else "--stop-at-step"
                 progress.message(f"stopped after step {step} ({why}); rerun to resume")
@@ -336,7 +337,8 @@ class Trainer:
         latest = self.ckpt.latest()
         progress.message(
             f"error: non-finite training values at step {step} ({what}); stopped before the "
-            f"optimizer step. Last good checkpoint: {latest or 'none'}. Lower --lr, set "
+            f"optimizer step. Newest checkpoint: {latest or 'none'} (its files are checked "
+            "against their checksums when the run resumes). Lower --lr, set "
             "--grad-clip, or use --recipe off to check whether float8 is the cause."
         )
         return EXIT_NON_FINITE
@@ -359,12 +361,27 @@ def _train_time(records: list[dict]) -> float:
     return sum(r["step_time_s"] for r in records)
 
 
+def load_data(args: argparse.Namespace) -> TokenData:
+    """The corpus, with every token id checked against the model's vocabulary."""
+    try:
+        data = load_tokens_from_args(args)
+        check_token_ids(data, build_args(args).vocab_size)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--data: {err}") from None
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = float8_config(args)  # refuse bad flag combinations before starting anything
-    d = init_distributed(args.device, args.hsdp_replicate)
+    d = init_distributed(args.device, args.hsdp_replicate, timeout_s=args.pg_timeout_s)
     try:
         return Trainer(args, config, d).run()
+    except RuntimeError as err:
+        message = timeout_message(err, d.rank, args.pg_timeout_s)
+        if message is None:
+            raise
+        raise SystemExit(message) from None
     finally:
         dist.destroy_process_group()
 

@@ -2,17 +2,54 @@
 
 Defaults are the ``make train`` run: 2 CPU ranks, the tiny preset, float8 tensorwise with
 float8 all-gather and precomputed scales, bf16 mixed precision, a few minutes on a CPU.
+
+Every numeric flag is parsed by a type function that states its range, so a bad value
+stops at once with argparse's ``argument --warmup: expected an integer >= 0, got '-5'``;
+``--out`` is checked for being a writable folder (or creatable in one) at the same time,
+before any process group or model exists.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from scripts.data import add_data_args
 from scripts.float8_flags import RECIPES, SCALINGS
 from scripts.model import PRESETS
+from scripts.process_group import DEFAULT_TIMEOUT_S
+
+
+def number(kind: type, low: float, *, above: bool = False, high: float | None = None) -> Callable:
+    """An argparse type: ``kind`` (int or float) ``>= low`` (``> low`` with ``above``),
+    ``<= high`` when given; finite. Its error message names the expected range."""
+    word = "an integer" if kind is int else "a number"
+    bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {word} {bound}, got {text!r}") from None
+        fits = (value > low if above else value >= low) and (high is None or value <= high)
+        if not (math.isfinite(value) and fits):
+            raise argparse.ArgumentTypeError(f"expected {word} {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {bound}"
+    return parse
+
+
+POS_INT = number(int, 1)
+NONNEG_INT = number(int, 0)
+POS_FLOAT = number(float, 0, above=True)
+NONNEG_FLOAT = number(float, 0)
+RATIO = number(float, 0, high=1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,12 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_args(g) -> None:
     g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    g.add_argument("--dim", type=int, default=None, help="override the preset's model dim")
-    g.add_argument("--n-layers", type=int, default=None)
-    g.add_argument("--n-heads", type=int, default=None)
-    g.add_argument("--n-kv-heads", type=int, default=None)
+    g.add_argument("--dim", type=POS_INT, default=None, help="override the preset's model dim")
+    g.add_argument("--n-layers", type=POS_INT, default=None)
+    g.add_argument("--n-heads", type=POS_INT, default=None)
+    g.add_argument("--n-kv-heads", type=POS_INT, default=None)
     g.add_argument(
-        "--multiple-of", type=int, default=None, help="round the MLP hidden dim up to this"
+        "--multiple-of", type=POS_INT, default=None, help="round the MLP hidden dim up to this"
     )
 
 
@@ -62,7 +99,7 @@ def _float8_args(g) -> None:
         help="one batched amax all-reduce per step for the float8 all-gather's weight "
         "scales (tensorwise dynamic scaling with --fp8-all-gather only)",
     )
-    g.add_argument("--delayed-history", type=int, default=16, help="amax history length")
+    g.add_argument("--delayed-history", type=POS_INT, default=16, help="amax history length")
     g.add_argument(
         "--static-scales",
         default=None,
@@ -86,7 +123,7 @@ def _float8_args(g) -> None:
     )
     g.add_argument(
         "--numerics-every",
-        type=int,
+        type=NONNEG_INT,
         default=0,
         metavar="N",
         help="sample per-layer float8 numerics (amax, scale, saturation, underflow) every N "
@@ -99,7 +136,7 @@ def _parallel_args(g) -> None:
     g.add_argument("--device", default=default_device, choices=["cpu", "cuda"])
     g.add_argument(
         "--hsdp-replicate",
-        type=int,
+        type=POS_INT,
         default=1,
         help="HSDP: a 2-D mesh of N replicas x (world / N) shards",
     )
@@ -109,37 +146,39 @@ def _parallel_args(g) -> None:
 
 
 def _optim_args(g) -> None:
-    g.add_argument("--steps", type=int, default=100)
-    g.add_argument("--global-batch", type=int, default=16, help="sequences per step")
-    g.add_argument("--seq-len", type=int, default=128)
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--steps", type=POS_INT, default=100)
+    g.add_argument("--global-batch", type=POS_INT, default=16, help="sequences per step")
+    g.add_argument("--seq-len", type=POS_INT, default=128)
+    g.add_argument("--lr", type=POS_FLOAT, default=3e-3, help="peak learning rate")
     g.add_argument(
-        "--warmup", type=int, default=None, help="linear warmup steps (default: steps // 10)"
+        "--warmup", type=NONNEG_INT, default=None, help="linear warmup steps (default: steps // 10)"
     )
     g.add_argument(
-        "--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this at the end"
+        "--min-lr-ratio", type=RATIO, default=0.1, help="cosine decays to lr * this at the end"
     )
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0: no clipping")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--weight-decay", type=NONNEG_FLOAT, default=0.1)
+    g.add_argument(
+        "--grad-clip", type=NONNEG_FLOAT, default=1.0, help="max grad norm; 0: no clipping"
+    )
+    g.add_argument("--seed", type=NONNEG_INT, default=0)
 
 
 def _run_args(g) -> None:
     g.add_argument("--out", default="runs/train", help="metrics, summary and checkpoints")
-    g.add_argument("--log-every", type=int, default=10, help="progress line (non-terminal)")
-    g.add_argument("--val-every", type=int, default=25, help="0: no validation")
-    g.add_argument("--val-batches", type=int, default=4)
+    g.add_argument("--log-every", type=POS_INT, default=10, help="progress line (non-terminal)")
+    g.add_argument("--val-every", type=NONNEG_INT, default=25, help="0: no validation")
+    g.add_argument("--val-batches", type=POS_INT, default=4)
     g.add_argument(
         "--comm-every",
-        type=int,
+        type=NONNEG_INT,
         default=None,
         help="count collectives every N steps (default: 1 on CPU, 10 on CUDA, 0 with "
         "--compile: the counter is a TorchDispatchMode, under which compiled blocks run "
         "eagerly); 0: never",
     )
-    g.add_argument("--peak-tflops", type=float, default=None, help="per-device peak for MFU")
-    g.add_argument("--ckpt-every", type=int, default=50, help="0: only at the end")
-    g.add_argument("--keep-ckpts", type=int, default=2, help="newest checkpoints kept")
+    g.add_argument("--peak-tflops", type=POS_FLOAT, default=None, help="per-device peak for MFU")
+    g.add_argument("--ckpt-every", type=NONNEG_INT, default=50, help="0: only at the end")
+    g.add_argument("--keep-ckpts", type=POS_INT, default=2, help="newest checkpoints kept")
     g.add_argument(
         "--resume",
         nargs="?",
@@ -149,15 +188,29 @@ def _run_args(g) -> None:
         help="resume from CKPT, or from the latest checkpoint in --out",
     )
     g.add_argument(
+        "--allow-recipe-change",
+        action="store_true",
+        help="resume a checkpoint saved with another --recipe / --fp8-all-gather / "
+        "--float8-skip (not with delayed scaling on either side); other changes to the "
+        "settings a checkpoint depends on are refused",
+    )
+    g.add_argument(
+        "--pg-timeout-s",
+        type=POS_FLOAT,
+        default=DEFAULT_TIMEOUT_S,
+        help="a collective waiting longer than this for its peers ends the run with a message",
+    )
+    g.add_argument(
         "--auto-resume",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="continue from the latest checkpoint in --out when there is one",
     )
-    g.add_argument("--stop-at-step", type=int, default=None, help="save and exit after step K")
+    g.add_argument("--stop-at-step", type=POS_INT, default=None, help="save and exit after step K")
     # test hooks, hidden from --help
-    g.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--nan-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--crash-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--nan-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--hang-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,9 +218,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
-    for name in ("steps", "global_batch", "seq_len", "keep_ckpts"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be > 0, got {args.lr}")
+    problem = out_problem(args.out)
+    if problem is not None:
+        parser.error(f"argument --out: {problem}; choose a folder you can write to")
     return args
+
+
+def out_problem(out: str) -> str | None:
+    """Why ``out`` cannot be written (None: it can): it or its checkpoint folder must be
+    writable folders, or the nearest existing parent must be, so that it can be created."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        return f"{out} is a file, not a folder"
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so {out} cannot be created under it"
+    for folder in (existing, path / "checkpoints"):
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            return f"no permission to write in {folder}"
+    return None

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from fsdp_float8.comm_stats import CollectiveCounter
+
 STEP_FIELDS = (
     "step",  # 1-based, the optimizer steps done
     "loss",  # mean training loss over the global batch
@@ -57,6 +59,21 @@ class MetricsFile:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def comm_fields(counter: CollectiveCounter | None) -> dict[str, int | None]:
+    """The step record's collective fields from a ``CollectiveCounter`` (None: not measured)."""
+    if counter is None:
+        names = ("all_gather_bytes", "all_gather_count", "reduce_scatter_bytes", "all_reduce_bytes")
+        return dict.fromkeys(names)
+    return {
+        "all_gather_bytes": counter.bytes("all_gather"),
+        "all_gather_count": counter.count("all_gather"),
+        # gradient reduction: FSDP2's reduce-scatter, or the all-to-all that
+        # --float8-reduce-scatter sends instead
+        "reduce_scatter_bytes": counter.bytes("reduce_scatter") + counter.bytes("all_to_all"),
+        "all_reduce_bytes": counter.bytes("all_reduce"),
+    }
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

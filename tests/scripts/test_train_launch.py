@@ -1,5 +1,6 @@
 """The real ``torchrun --standalone --nproc_per_node 2 -m scripts.train`` on a tiny model:
-metrics, float8 all-gather bytes, bitwise resume, resharded resume.
+metrics, float8 all-gather bytes, bitwise resume past a damaged checkpoint, a resume
+refused for changed settings, resharded resume, a hung collective ended by the timeout.
 
 Two runs are shared by the tests of this module (each launch costs process start-up):
 ``fp8_run`` (tensorwise, float8 all-gather, 8 steps, checkpoints at 4 and 8) and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -83,15 +85,51 @@ def test_float8_all_gather_halves_converted_weight_bytes(fp8_run: Path, bf16_run
     assert fp8_bytes / bf16_bytes < 0.6
 
 
-def test_resume_is_bitwise_identical(fp8_run: Path, tmp_path: Path) -> None:
+def test_damaged_newest_checkpoint_falls_back_and_resumes_bitwise(
+    fp8_run: Path, tmp_path: Path
+) -> None:
+    """Step 8's shard has one flipped byte in its tensor data, which DCP would load
+    without complaint: the checksums catch it, the run says so, sets it aside (kept), resumes
+    from step 4 and gives bitwise the uninterrupted run's metrics."""
     out = tmp_path / "resumed"
     resume_from(fp8_run, 4, out)
+    shutil.copytree(
+        fp8_run / "checkpoints" / "step_00000008", out / "checkpoints" / "step_00000008"
+    )
+    shard = out / "checkpoints" / "step_00000008" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
     result = train(out, *FP8_ARGS)
     assert result.returncode == 0, output_of(result)
+    damaged = out / "checkpoints" / "step_00000008"
+    assert f"WARNING: checkpoint {damaged} is damaged" in result.stderr, output_of(result)
+    assert "__0_0.distcp: contents changed since the save (sha256 differs)" in result.stderr
+    assert f"renamed it to {damaged}.damaged" in result.stderr
     assert "resumed from" in result.stdout and "at step 4" in result.stdout
+    assert (out / "checkpoints" / "step_00000008.damaged" / "__0_0.distcp").read_bytes() == data
     expected = [{k: v for k, v in r.items() if k not in TIMING} for r in metrics(fp8_run)]
     got = [{k: v for k, v in r.items() if k not in TIMING} for r in metrics(out)]
     assert got == expected  # losses, val losses, lr, grad norms, bytes: all equal
+    assert run_info(out)["damaged_checkpoints_set_aside"] == [f"{damaged}.damaged"]
+
+
+def test_resume_with_other_settings_is_refused_and_changes_nothing(
+    fp8_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "changed"
+    shutil.copytree(fp8_run, out)
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    result = train(
+        out, *FP8_ARGS, "--steps", "12", "--scaling", "delayed", "--delayed-history", "4"
+    )
+    assert result.returncode != 0, output_of(result)
+    assert f"cannot resume from {out / 'checkpoints' / 'step_00000008'}" in result.stderr
+    assert "--scaling: checkpoint dynamic, this run delayed" in result.stderr
+    assert "--delayed-history: checkpoint -, this run 4" in result.stderr
+    assert 'scripts/train.py", line' not in result.stderr, output_of(result)  # no traceback
+    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert after == before  # run.json, metrics and both checkpoints untouched
 
 
 def test_checkpoint_from_2_ranks_resumes_on_1(fp8_run: Path, tmp_path: Path) -> None:
@@ -108,3 +146,16 @@ def test_checkpoint_from_2_ranks_resumes_on_1(fp8_run: Path, tmp_path: Path) -> 
         # different world size changes the numerics slightly
         assert r["loss"] == pytest.approx(expected[r["step"]]["loss"], rel=5e-3)
     assert got[-1]["val_loss"] == pytest.approx(expected[STEPS]["val_loss"], rel=5e-3)
+
+
+def test_hung_collective_ends_with_a_message(tmp_path: Path) -> None:
+    """Rank 1 waits for a message nobody sends after step 1; rank 0 blocks in step 2's
+    all-gather. Both give up after --pg-timeout-s and say so, instead of hanging 30 min."""
+    args = ("--steps", "3", "--val-every", "0", "--hang-at-step", "1", "--pg-timeout-s", "3")
+    start = time.monotonic()
+    result = train(tmp_path / "hang", *args, timeout=120)
+    assert result.returncode != 0, output_of(result)
+    assert time.monotonic() - start < 90
+    for rank in (0, 1):
+        expected = f"rank {rank}: a collective did not complete within --pg-timeout-s 3 s"
+        assert expected in result.stderr, output_of(result)

@@ -12,6 +12,7 @@ import pytest
 from fsdp_float8 import ScalingType
 from scripts import compare
 from scripts.checkpoint import Checkpointer
+from scripts.checkpoint_manifest import MANIFEST
 from scripts.float8_flags import float8_config, parse_static_scales
 from scripts.optimizer import WarmupCosine
 from scripts.train import describe
@@ -66,12 +67,16 @@ def test_checkpointer_finds_complete_checkpoints_only(tmp_path: Path) -> None:
     assert ckpt.latest() is None
     for step in (5, 10, 15):
         ckpt.path_for(step).mkdir()
-        (ckpt.path_for(step) / ".metadata").touch()
-    ckpt.path_for(20).mkdir()  # an interrupted save: no .metadata
+        (ckpt.path_for(step) / MANIFEST).touch()
+    ckpt.path_for(20).mkdir()  # an interrupted save: no manifest
+    (ckpt.path_for(20) / ".metadata").touch()  # DCP finished, the manifest was not written
+    (tmp_path / "step_00000025.damaged").mkdir()  # set aside by a fallback: not a checkpoint
+    (tmp_path / "step_00000025.damaged" / MANIFEST).touch()
     assert ckpt.latest() == ckpt.path_for(15)
     ckpt._prune()
     assert [p.name for p in ckpt.complete()] == ["step_00000010", "step_00000015"]
     assert ckpt.path_for(20).exists()  # newer than the newest complete one: left alone
+    assert (tmp_path / "step_00000025.damaged").exists()  # never pruned
 
 
 def test_metrics_file_drops_lines_after_the_resumed_step(tmp_path: Path) -> None:
