@@ -115,9 +115,10 @@ class Checkpointer:
 
     def complete(self) -> list[Path]:
         """Complete checkpoints (those with a manifest), oldest first."""
-        return [p for p in self._step_dirs() if self.is_complete(p)]
+        return [p for p in self.step_dirs() if self.is_complete(p)]
 
-    def _step_dirs(self) -> list[Path]:
+    def step_dirs(self) -> list[Path]:
+        """Folders named like a checkpoint (``step_N``), complete or not, oldest first."""
         if not self.root.is_dir():
             return []
         found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
@@ -160,7 +161,7 @@ class Checkpointer:
         newest = step_of(complete[-1]) if complete else -1
         for old in complete[: max(0, len(complete) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
-        for partial in self._step_dirs():  # interrupted saves older than the newest
+        for partial in self.step_dirs():  # interrupted saves older than the newest
             if not self.is_complete(partial) and step_of(partial) < newest:
                 shutil.rmtree(partial, ignore_errors=True)
 

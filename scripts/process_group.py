@@ -111,14 +111,23 @@ def _data_parallel_mesh(device_type: str, world: int, replicate: int) -> DeviceM
     )
 
 
-def timeout_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
-    """What to tell the user when ``err`` is a collective's timeout (None otherwise)."""
-    text = str(err)
-    if not isinstance(err, RuntimeError) or "timed out" not in text.lower():
+def collective_failure_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
+    """What to tell the user when ``err`` is a collective that timed out, or one whose peer
+    went away (the first rank to time out exits, and its peers then see a closed
+    connection); None for any other error."""
+    text = str(err).strip()
+    if not isinstance(err, RuntimeError) or not text:
         return None
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return (
-        f"rank {rank}: a collective did not complete within --pg-timeout-s {timeout_s:g} s "
-        f"({first}). Another rank stopped, crashed or is stuck: its log says which and why. "
-        "If the step or checkpoint save is merely slow, raise --pg-timeout-s."
-    )
+    first = text.splitlines()[0]
+    if "timed out" in text.lower():
+        return (
+            f"rank {rank}: a collective did not complete within --pg-timeout-s {timeout_s:g} s "
+            f"({first}). Another rank stopped, crashed or is stuck: its log says which and "
+            "why. If the step or checkpoint save is merely slow, raise --pg-timeout-s."
+        )
+    if any(word in text for word in ("Connection closed by peer", "Connection reset by peer")):
+        return (
+            f"rank {rank}: a collective failed because another rank closed its connection "
+            f"({first}). That rank stopped or crashed first: its log says why."
+        )
+    return None

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scripts.checkpoint import Checkpointer, step_of
-from scripts.checkpoint_manifest import Problem, verify
+from scripts.checkpoint_manifest import MANIFEST, Problem, verify
 from scripts.resume_settings import refusal, resume_conflicts
 
 
@@ -119,6 +119,7 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
             f"--out {args.out} already holds checkpoints (latest {candidates[-1]}); pass "
             "--resume to continue that run, or choose another --out"
         )
+    _note_unfinished(ckpt, step_of(candidates[-1]))
     damaged: list[tuple[Path, list[Problem]]] = []
     for path in reversed(candidates):
         manifest, problems = verify(path)
@@ -132,6 +133,18 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
             "run with another --out (nothing was moved or deleted)"
         )
     return _Candidate(path, manifest, damaged)
+
+
+def _note_unfinished(ckpt: Checkpointer, newest: int) -> None:
+    """Say so when a newer folder holds DCP files but no manifest: not silently skipped."""
+    for path in ckpt.step_dirs():
+        if ckpt.is_main and step_of(path) > newest and (path / ".metadata").is_file():
+            print(
+                f"note: {path} has DCP files but no {MANIFEST} (its save stopped before the "
+                "checksums were written), so it is not resumed from",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _set_aside(damaged: list[tuple[Path, list[Problem]]], good: Path, is_main: bool) -> list[Path]:

@@ -65,7 +65,7 @@ from scripts.data import (
 from scripts.float8_flags import describe, float8_config
 from scripts.model import flops_per_token, num_params
 from scripts.optimizer import build_optimizer, build_scheduler
-from scripts.process_group import Dist, init_distributed, timeout_message
+from scripts.process_group import Dist, collective_failure_message, init_distributed
 from scripts.rank_exit import enable_crash_traces, exit_rank
 from scripts.resume import ResumePoint, find_resume
 from scripts.resume_settings import checkpoint_settings
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return Trainer(args, config, d).run()
     except RuntimeError as err:
-        message = timeout_message(err, d.rank, args.pg_timeout_s)
+        message = collective_failure_message(err, d.rank, args.pg_timeout_s)
         if message is None:
             raise
         raise SystemExit(message) from None

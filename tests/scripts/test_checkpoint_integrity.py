@@ -66,13 +66,19 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _flip_byte_and_unfinished_step_3(ck: Path) -> None:
+    _flip_byte(ck / "__0_0.distcp")
+    (ck.parent / "step_00000003").mkdir()  # DCP finished, the process died before the manifest
+    shutil.copy(ck / ".metadata", ck.parent / "step_00000003" / ".metadata")
+
+
 def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 DAMAGE = {
     "truncated_shard": lambda ck: _truncate(ck / "__1_0.distcp"),
-    "flipped_tensor_byte": lambda ck: _flip_byte(ck / "__0_0.distcp"),
+    "flipped_tensor_byte": _flip_byte_and_unfinished_step_3,
     "truncated_metadata": lambda ck: _truncate(ck / ".metadata"),
     "deleted_shard": lambda ck: (ck / "__1_0.distcp").unlink(),
     "truncated_manifest": lambda ck: _truncate(ck / MANIFEST),
@@ -178,6 +184,10 @@ def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
             for k, v in out["tree_before"].items()
         }
         assert out["tree_after"] == moved
+    unfinished = root / "flipped_tensor_byte" / "checkpoints" / "step_00000003"
+    assert (
+        f"note: {unfinished} has DCP files but no {MANIFEST}" in r["flipped_tensor_byte"]["stderr"]
+    )
     assert "bytes on disk" in r["truncated_shard"]["stderr"]
     assert "bytes on disk" in r["truncated_metadata"]["stderr"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.process_group import timeout_message
+from scripts.process_group import collective_failure_message
 from scripts.resume_settings import checkpoint_settings, refusal, resume_conflicts
 from scripts.train import load_data
 from scripts.train_args import parse_args
@@ -130,9 +130,12 @@ def test_refusal_says_what_to_do() -> None:
     assert "out/run.json" in text and "another --out" in text and "--allow-recipe-change" in text
 
 
-def test_timeout_message_names_the_flag() -> None:
+def test_collective_failure_messages_name_the_flag_or_the_peer() -> None:
     err = RuntimeError("[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation")
-    text = timeout_message(err, 1, 3.0)
+    text = collective_failure_message(err, 1, 3.0)
     assert text.startswith("rank 1: a collective did not complete within --pg-timeout-s 3 s")
     assert "Timed out waiting 3000ms" in text and "raise --pg-timeout-s" in text
-    assert timeout_message(RuntimeError("size mismatch"), 0, 3.0) is None
+    err = RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:11170. GLHF")
+    text = collective_failure_message(err, 0, 3.0)
+    assert text.startswith("rank 0: a collective failed because another rank closed its")
+    assert collective_failure_message(RuntimeError("size mismatch"), 0, 3.0) is None
