@@ -5,7 +5,15 @@ model = convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_
 fully_shard(...)  # per block, then the root
 ...
 optimizer.step(); precompute_float8_dynamic_scale_for_fsdp(model)
+
+Coming from torchao.float8: the same names import from here (see README, "Migrating from
+torchao"). Optional features that lean on private torch APIs (`enable_float8_reduce_scatter`,
+`Float8ReduceScatter`: FSDP2's private `ReduceScatter`) are imported on first use, so
+`import fsdp_float8` works on a torch that renamed them.
 """
+
+import importlib
+import importlib.metadata
 
 import torch
 
@@ -14,6 +22,7 @@ from fsdp_float8.config import (
     DelayedScalingConfig,
     Float8GemmConfig,
     Float8LinearConfig,
+    Float8LinearRecipeName,
     Gemm,
     Operand,
     ScalingGranularity,
@@ -32,7 +41,7 @@ from fsdp_float8.fsdp import (
 )
 from fsdp_float8.linear import Float8Linear
 from fsdp_float8.numerics import sqnr_db
-from fsdp_float8.reduce_scatter import Float8ReduceScatter, enable_float8_reduce_scatter
+from fsdp_float8.recipes import _auto_filter_for_recipe
 from fsdp_float8.telemetry import Float8Telemetry
 from fsdp_float8.weight_wrappers import (
     DelayedFloat8Weight,
@@ -51,7 +60,43 @@ torch.serialization.add_safe_globals(
     ]
 )
 
+# name -> module of the optional features imported on first use (module __getattr__)
+_LAZY = {
+    "Float8ReduceScatter": "fsdp_float8.reduce_scatter",
+    "enable_float8_reduce_scatter": "fsdp_float8.reduce_scatter",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fsdp_float8' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(_LAZY[name])
+    except ImportError as e:
+        raise ImportError(
+            f"fsdp_float8.{name} needs a private torch API that this torch "
+            f"({torch.__version__}) does not have: {e}. The rest of fsdp_float8 works; "
+            "use FSDP2's own reduce-scatter (do not enable the float8 one) or a torch "
+            "version that fsdp_float8 supports (2.11 to 2.15)"
+        ) from e
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("fsdp_float8")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
+
+
+__version__ = _package_version()
+
 __all__ = [
+    "_auto_filter_for_recipe",
     "CastConfig",
     "ConversionReport",
     "DelayedFloat8Weight",
@@ -60,7 +105,7 @@ __all__ = [
     "Float8GemmConfig",
     "Float8Linear",
     "Float8LinearConfig",
-    "Float8ReduceScatter",
+    "Float8LinearRecipeName",
     "Float8Telemetry",
     "Float8Tensor",
     "Gemm",
@@ -70,7 +115,6 @@ __all__ = [
     "StaticFloat8Weight",
     "convert_to_float8_training",
     "dims_divisible_by_16",
-    "enable_float8_reduce_scatter",
     "hp_to_float8",
     "precompute_float8_dynamic_scale_for_fsdp",
     "scaled_mm",

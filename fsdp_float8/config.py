@@ -11,17 +11,16 @@ Field names follow the ones torchao users know, so switching is a change of impo
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
-import numbers
-import types
-import typing
-from dataclasses import dataclass, field, replace
+import warnings
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import torch
 
 from fsdp_float8 import scaling
+from fsdp_float8.config_fields import check_field_types, coerce_enum, filled, mark_filled
+from fsdp_float8.recipes import Float8LinearRecipeName, recipe_fields
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -85,55 +84,22 @@ class ScalingGranularity(enum.Enum):
     AXISWISE = "axiswise"
 
 
-def check_field_types(obj: object) -> None:
-    """TypeError naming the field, the value and the expected type, for each field of a
-    config dataclass whose value does not match its annotation. Numbers are checked as
-    numbers (an int is a float, a bool is neither); an enum field also takes its string
-    value (coerced later)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        allowed = _allowed_types(hints[f.name])
-        if not any(_matches(value, t) for t in allowed):
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-            raise TypeError(
-                f"{type(obj).__name__}.{f.name}={value!r} has type {type(value).__name__}; "
-                f"expected {names}; pass a {names} value (strings are not parsed)"
-            )
-
-
-def _allowed_types(hint) -> tuple[type, ...]:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return typing.get_args(hint)
-    return (hint,)
-
-
-def _matches(value: object, expected: type) -> bool:
-    if isinstance(value, bool) or expected is bool:
-        return isinstance(value, bool) and expected is bool
-    if expected is float:
-        return isinstance(value, numbers.Real)
-    if expected is int:
-        return isinstance(value, numbers.Integral)
-    if issubclass(expected, enum.Enum) and isinstance(value, str):
-        return True
-    return isinstance(value, expected)
-
-
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class CastConfig:
     """How one operand is cast for one GEMM. `target_dtype=None` means the operand's
-    default (e4m3 for input and weight, e5m2 for grad_output)."""
+    default (e4m3 for input and weight, e5m2 for grad_output); a `Float8LinearConfig` fills
+    it in. Positional fields in torchao's order; `static_scale` is keyword-only."""
 
     scaling_type: ScalingType = ScalingType.DYNAMIC
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
     target_dtype: torch.dtype | None = None
+    _: KW_ONLY
     static_scale: float | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        _coerce_enum(self, "scaling_type", ScalingType)
-        _coerce_enum(self, "scaling_granularity", ScalingGranularity)
+        coerce_enum(self, "scaling_type", ScalingType)
+        coerce_enum(self, "scaling_granularity", ScalingGranularity)
         if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
             raise ValueError(
                 f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype; "
@@ -182,7 +148,7 @@ class CastConfig:
         return self.scaling_type is not ScalingType.DISABLED
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class DelayedScalingConfig:
     """Delayed scaling: the scale comes from a history of past amaxes.
 
@@ -194,6 +160,7 @@ class DelayedScalingConfig:
 
     history_len: int = 16
     scale_fn_name: str = "max"
+    _: KW_ONLY
     max_forwards_without_sync: int = 64
 
     def __post_init__(self) -> None:
@@ -210,7 +177,7 @@ class DelayedScalingConfig:
             )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Float8GemmConfig:
     use_fast_accum: bool = False
 
@@ -229,10 +196,17 @@ _OPERAND_FIELD = {
 _DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Float8LinearConfig:
-    """Everything a `Float8Linear` needs to know. `*_for_grad_*` configs default (None) to
-    the operand's primary config."""
+    """Everything a `Float8Linear` needs to know.
+
+    Resolved at construction as torchao resolves it: a `*_for_grad_*` config left None is
+    the operand's primary config, and a `target_dtype` left None the operand's default
+    (e4m3 for input and weight, e5m2 for grad_output). The fields up to
+    `round_scales_to_power_of_2` are positional in torchao's order; the rest keyword-only.
+    `force_recompute_fp8_weight_in_bwd` is accepted for torchao compatibility and does
+    nothing: backward always re-casts the weight from the parameter (FSDP2 re-gathers it).
+    """
 
     cast_config_input: CastConfig = field(default_factory=CastConfig)
     cast_config_input_for_grad_weight: CastConfig | None = None
@@ -246,12 +220,24 @@ class Float8LinearConfig:
     enable_fsdp_float8_all_gather: bool = False
     pad_inner_dim: bool = False
     emulate: bool = False
+    force_recompute_fp8_weight_in_bwd: bool = False
     round_scales_to_power_of_2: bool = False
+    _: KW_ONLY
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
     save_input_in_float8: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        for operand in Operand:
+            self._resolve(operand)
+        if self.force_recompute_fp8_weight_in_bwd:
+            warnings.warn(
+                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated (as in "
+                "torchao) and has no effect: backward always re-casts the weight from the "
+                "parameter, never saving a float8 copy; drop the argument",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         for gemm, (left, right) in GEMM_OPERANDS.items():
             if self.cast(left, gemm).enabled != self.cast(right, gemm).enabled:
                 raise ValueError(
@@ -331,14 +317,25 @@ class Float8LinearConfig:
     def second_gemm(operand: Operand) -> Gemm:
         return SECOND_GEMM[operand]
 
+    def _resolve(self, operand: Operand) -> None:
+        """Fill the operand's second-use config and both target dtypes (values filled by
+        an earlier resolution, passed back by `dataclasses.replace`, are derived again)."""
+        first_name = _OPERAND_FIELD[(operand, PRIMARY_GEMM[operand])]
+        second_name = _OPERAND_FIELD[(operand, SECOND_GEMM[operand])]
+        first = _with_dtype(_as_given(getattr(self, first_name)), operand)
+        second = getattr(self, second_name)
+        if second is None or filled(second) == "copy":
+            second = mark_filled(replace(first), "copy")
+        else:
+            second = _with_dtype(_as_given(second), operand)
+        object.__setattr__(self, first_name, first)
+        object.__setattr__(self, second_name, second)
+
     def cast(self, operand: Operand, gemm: Gemm) -> CastConfig:
-        cfg = getattr(self, _OPERAND_FIELD[(operand, gemm)])
-        if cfg is None:
-            cfg = getattr(self, _OPERAND_FIELD[(operand, PRIMARY_GEMM[operand])])
-        return cfg
+        return getattr(self, _OPERAND_FIELD[(operand, gemm)])
 
     def float8_dtype(self, operand: Operand, gemm: Gemm) -> torch.dtype:
-        return self.cast(operand, gemm).target_dtype or _DEFAULT_DTYPE[operand]
+        return self.cast(operand, gemm).target_dtype
 
     def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
         return getattr(self, f"gemm_config_{gemm.value}")
@@ -375,70 +372,34 @@ class Float8LinearConfig:
         return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}
 
     @classmethod
-    def from_recipe_name(cls, name: str, **overrides) -> Float8LinearConfig:
-        """Named recipes: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'."""
-        recipes = {
-            "tensorwise": _tensorwise,
-            "rowwise": _rowwise,
-            "rowwise_with_gw_hp": _rowwise_with_gw_hp,
-        }
-        if name not in recipes:
-            raise ValueError(f"unknown float8 recipe {name!r}; expected one of {sorted(recipes)}")
-        return replace(recipes[name](), **overrides) if overrides else recipes[name]()
+    def from_recipe_name(
+        cls, recipe_name: Float8LinearRecipeName | str, **overrides
+    ) -> Float8LinearConfig:
+        """A named recipe (a `Float8LinearRecipeName` or its value: 'tensorwise',
+        'rowwise', 'rowwise_with_gw_hp'), with any field overridden by keyword."""
+        casts, flags = recipe_fields(recipe_name)
+        fields = {name: CastConfig(**kw) for name, kw in casts.items()}
+        return cls(**{**fields, **flags, **overrides})
 
     @classmethod
     def tensorwise(cls, **overrides) -> Float8LinearConfig:
-        return cls.from_recipe_name("tensorwise", **overrides)
+        return cls.from_recipe_name(Float8LinearRecipeName.TENSORWISE, **overrides)
 
     @classmethod
     def rowwise(cls, **overrides) -> Float8LinearConfig:
-        return cls.from_recipe_name("rowwise", **overrides)
+        return cls.from_recipe_name(Float8LinearRecipeName.ROWWISE, **overrides)
 
     @classmethod
     def rowwise_with_gw_hp(cls, **overrides) -> Float8LinearConfig:
-        return cls.from_recipe_name("rowwise_with_gw_hp", **overrides)
+        return cls.from_recipe_name(Float8LinearRecipeName.ROWWISE_WITH_GW_HP, **overrides)
 
 
-def _tensorwise() -> Float8LinearConfig:
-    return Float8LinearConfig()
+def _as_given(cfg: CastConfig) -> CastConfig:
+    """The cast config as the user gave it (undo a target_dtype we filled in)."""
+    return replace(cfg, target_dtype=None) if filled(cfg) == "dtype" else cfg
 
 
-def _rowwise() -> Float8LinearConfig:
-    # Every cast per row along the GEMM's contraction dim; e4m3 everywhere (the row scales
-    # give grad_output the range that e5m2 would otherwise buy); power-of-2 scales so the
-    # scale multiply is exact.
-    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
-    return Float8LinearConfig(
-        cast_config_input=axis,
-        cast_config_weight=axis,
-        cast_config_grad_output=axis,
-        round_scales_to_power_of_2=True,
-    )
-
-
-def _rowwise_with_gw_hp() -> Float8LinearConfig:
-    # Forward and grad_input axiswise, except the weight for grad_input which is tensorwise
-    # (its contraction dim is the one FSDP shards); grad_weight stays in high precision.
-    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
-    off = CastConfig(scaling_type=ScalingType.DISABLED)
-    return Float8LinearConfig(
-        cast_config_input=axis,
-        cast_config_input_for_grad_weight=off,
-        cast_config_weight=axis,
-        cast_config_weight_for_grad_input=CastConfig(target_dtype=E4M3),
-        cast_config_grad_output=axis,
-        cast_config_grad_output_for_grad_weight=off,
-        round_scales_to_power_of_2=True,
-    )
-
-
-def _coerce_enum(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
-    value = getattr(obj, name)
-    if isinstance(value, enum_cls):
-        return
-    try:
-        object.__setattr__(obj, name, enum_cls(value))
-    except ValueError:
-        raise ValueError(
-            f"{name}={value!r} is not valid; expected one of {[e.value for e in enum_cls]}"
-        ) from None
+def _with_dtype(cfg: CastConfig, operand: Operand) -> CastConfig:
+    if cfg.target_dtype is not None:
+        return cfg
+    return mark_filled(replace(cfg, target_dtype=_DEFAULT_DTYPE[operand]), "dtype")

@@ -26,6 +26,7 @@ from fsdp_float8.config import (
     Gemm,
     Operand,
     ScalingGranularity,
+    ScalingType,
 )
 from fsdp_float8.float8_ops import scaled_mm_data
 from fsdp_float8.float8_tensor import Float8Tensor
@@ -228,6 +229,20 @@ class Float8Linear(nn.Linear):
         new.bias = mod.bias
         new._register_delayed_buffers(device=mod.weight.device)
         return new
+
+    # torchao's Float8Linear attributes, read by code written for it (its tensor-parallel
+    # styles check that input and grad_output are dynamically scaled)
+    @property
+    def scaling_type_input(self) -> ScalingType:
+        return self.config.cast_config_input.scaling_type
+
+    @property
+    def scaling_type_weight(self) -> ScalingType:
+        return self.config.cast_config_weight.scaling_type
+
+    @property
+    def scaling_type_grad_output(self) -> ScalingType:
+        return self.config.cast_config_grad_output.scaling_type
 
     def delayed_operands(self) -> list[Operand]:
         return [

@@ -3,6 +3,7 @@
 - `all_reduce` is called only by amax_sync.py (comm_stats only names ops it counts);
 - FSDP2's all-gather hooks are defined only under weight_wrappers/;
 - an if/elif over ScalingType lives only in config.py (the words -> strategies map);
+- no module imports numpy (a scripts-only dependency);
 - the amax reduction (max |x|) is written only in scaling.py (`tensor_amax`, `axis_amax`,
   `tensor_amaxes`): one choice of reduction op for every cast, precompute and telemetry.
 """
@@ -42,3 +43,11 @@ def test_amax_reduction_lives_in_scaling():
     pattern = r"abs\(\)\.amax\(|vector_norm\(|_foreach_norm\(|\baminmax\("
     homes = [f for f, text in _sources().items() if re.search(pattern, text)]
     assert homes == ["scaling.py"], homes
+
+
+def test_package_does_not_import_numpy():
+    # numpy is the scripts' dependency (pyproject extra `scripts`), not the library's
+    importers = [
+        f for f, text in _sources().items() if re.search(r"^\s*(import|from) numpy\b", text, re.M)
+    ]
+    assert importers == [], importers
