@@ -6,7 +6,8 @@ user would, and calls ``find_resume`` (what ``scripts.train`` runs before buildi
 model) on both ranks. Checked: the message names the file and what is wrong with it and
 the previous intact checkpoint; both ranks reach the same decision; no checkpoint is lost
 (the intact one is untouched, the damaged one kept under a new name or left in place);
-and the fallback checkpoint loads the exact step-1 weights.
+and the fallback checkpoint loads the exact step-1 weights (checked once: the load path is
+the same for every kind of damage).
 """
 
 from __future__ import annotations
@@ -123,10 +124,11 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
         before = _tree(ckpt.root)
         outcome = _decide(_args(ckpt.root.parent), ckpt, SETTINGS)
         point = outcome.pop("point")
-        ckpt.load(point.path, {"app": ModelOptimizerState(model, opt)})
-        outcome["weights_equal_step_1"] = all(
-            torch.equal(v, saved[1][k]) for k, v in _full_weights(model).items()
-        )
+        if name == "flipped_tensor_byte":  # one load is enough: the same path for all
+            ckpt.load(point.path, {"app": ModelOptimizerState(model, opt)})
+            outcome["weights_equal_step_1"] = all(
+                torch.equal(v, saved[1][k]) for k, v in _full_weights(model).items()
+            )
         outcome["renamed_to"] = [str(p.relative_to(ckpt.root)) for p in point.damaged]
         outcome["tree_before"], outcome["tree_after"] = before, _tree(ckpt.root)
         dist.barrier()
@@ -171,7 +173,6 @@ def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
         out = r[name]
         ck = root / name / "checkpoints"
         assert out["step"] == 1, (name, out)
-        assert out["weights_equal_step_1"], name
         warning = out["stderr"]
         assert f"WARNING: checkpoint {ck / 'step_00000002'} is damaged" in warning, warning
         assert problem in warning, (name, warning)
@@ -184,6 +185,7 @@ def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
             for k, v in out["tree_before"].items()
         }
         assert out["tree_after"] == moved
+    assert r["flipped_tensor_byte"]["weights_equal_step_1"]  # the fallback loads step 1
     unfinished = root / "flipped_tensor_byte" / "checkpoints" / "step_00000003"
     assert (
         f"note: {unfinished} has DCP files but no {MANIFEST}" in r["flipped_tensor_byte"]["stderr"]
