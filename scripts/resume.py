@@ -110,6 +110,7 @@ def _newest_verified(candidates: list[Path]) -> Path | None:
 
 def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate | None:
     candidates = ckpt.complete()
+    _note_unfinished(ckpt, step_of(candidates[-1]) if candidates else -1)
     if not candidates:
         if args.resume == "latest":
             raise SystemExit(f"--resume: no complete checkpoint under {ckpt.root}")
@@ -119,7 +120,6 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
             f"--out {args.out} already holds checkpoints (latest {candidates[-1]}); pass "
             "--resume to continue that run, or choose another --out"
         )
-    _note_unfinished(ckpt, step_of(candidates[-1]))
     damaged: list[tuple[Path, list[Problem]]] = []
     for path in reversed(candidates):
         manifest, problems = verify(path)

@@ -143,13 +143,25 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
     before = _tree(ckpt.root)
     results["none_intact"] = _decide(_args(ckpt.root.parent), ckpt, SETTINGS)
     results["none_intact"]["unchanged"] = _tree(ckpt.root) == before
+    ckpt = fresh("only_unfinished", lambda ck: (ck / MANIFEST).unlink(), step=1)
+    shutil.rmtree(ckpt.path_for(2)) if rank == 0 else None
+    dist.barrier()
+    before = _tree(ckpt.root)
+    results["only_unfinished"] = _decide(_args(ckpt.root.parent), ckpt, SETTINGS)
+    results["none_intact"]["unchanged"] = _tree(ckpt.root) == before
+    results["only_unfinished"]["unchanged"] = _tree(ckpt.root) == before
     results["root"] = str(tmp_path)
     return results
 
 
 def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
     ranks = run_distributed(_cases, 2, tmp_path, str(tmp_path), timeout_s=120)
-    for name in (*DAMAGE, "explicit", "none_intact"):  # one decision, whatever the rank
+    for name in (
+        *DAMAGE,
+        "explicit",
+        "none_intact",
+        "only_unfinished",
+    ):  # one decision, whatever the rank
         assert {k: v for k, v in ranks[0][name].items() if k != "stderr"} == {
             k: v for k, v in ranks[1][name].items() if k != "stderr"
         }, name
@@ -203,3 +215,9 @@ def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
     stop = r["none_intact"]["stopped"]
     assert "no intact checkpoint under" in stop and "__1_0.distcp: missing" in stop
     assert "another --out" in stop and r["none_intact"]["unchanged"]
+
+    # a save that stopped before its manifest: a fresh start, but said, and nothing deleted
+    out = r["only_unfinished"]
+    unfinished = root / "only_unfinished" / "checkpoints" / "step_00000001"
+    assert out["step"] is None and out["unchanged"]
+    assert f"note: {unfinished} has DCP files but no {MANIFEST}" in out["stderr"]
