@@ -360,7 +360,12 @@ def _check_input_dtype(x: torch.Tensor) -> None:
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
     key = prefix + "weight"
     if key in state_dict:
-        state_dict[key] = plain_weight(state_dict[key])
+        # the parameter's own inner tensor (detached by autograd, so it shares the version
+        # counter): a loader writing into it in place is seen by the wrapper's WeightState
+        value = state_dict[key]
+        weight = module.weight
+        own = plain_weight(weight)
+        state_dict[key] = own if value is weight else own.detach()
 
 
 def _refresh_delayed_ready(module: Float8Linear, incompatible_keys) -> None:

@@ -13,11 +13,22 @@ FSDP2 hooks (torch 2.13 signatures):
 - `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: view the gathered
   bytes as float8 and return a `Float8Tensor`; later calls refill `out` in place (its data
   already aliases the all-gather output) and only refresh its scale.
+
+Mutation tracking (`WeightState`): in-place ops reach the inner tensor inside
+`__torch_dispatch__`, below the autograd layer that bumps version counters, so the inner
+tensor's `_version` never moves. Instead every op whose schema marks a wrapper argument as
+written bumps a generation counter in the wrapper's `WeightState`. Wrappers that alias one
+inner storage (views, slices, `detach`, `.data`: what FSDP2 and optimizers make of the
+sharded parameter) share one state; copies get their own. A scale stamped into the state
+(`stamp_scale`) is fresh while the generation is unchanged and no inner tensor of the
+state was written directly (a checkpoint loader writing into a state_dict's plain tensors
+bumps their `_version`, which is checked too).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -28,30 +39,114 @@ from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.scaling import cast_to_float8_data
 
 aten = torch.ops.aten
-PRESERVE_WRAPPER = {
-    aten.empty_like.default,
-    aten.new_zeros.default,
-    aten.new_empty.default,
+# ops whose output aliases the input's storage: the output shares the wrapper's state
+ALIAS_OPS = {
     aten.slice.Tensor,
-    aten.copy_.default,
     aten.view.default,
     aten._unsafe_view.default,
     aten.as_strided.default,
-    aten._to_copy.default,
-    aten._pin_memory.default,
     aten.split.Tensor,
-    aten.clone.default,
     aten.detach.default,
     aten.alias.default,
 }
+# ops that make new storage: the output is a wrapper with a state of its own
+COPY_OPS = {aten.clone.default, aten._to_copy.default, aten._pin_memory.default}
+NEW_OPS = {aten.empty_like.default, aten.new_empty.default, aten.new_zeros.default}
+PRESERVE_WRAPPER = ALIAS_OPS | COPY_OPS | NEW_OPS
+
+
+class WeightState:
+    """Shared by the wrappers that alias one inner storage: how many writes it has seen
+    (`generation`) and a scale computed from its values at one generation.
+
+    `blank`: the storage holds zeros and nothing was written yet (FSDP2's `new_zeros`
+    padded shard). Copying a wrapper with a fresh scale into a blank storage keeps that
+    scale fresh: zeros do not change an amax, and FSDP2 re-pads a shard this way on some
+    ranks only (uneven sharding), so every rank must reach the same freshness.
+    """
+
+    __slots__ = ("generation", "blank", "_scale", "_scale_generation", "_inners")
+
+    def __init__(self, *, blank: bool = False) -> None:
+        self.generation = 0
+        self.blank = blank
+        self._scale: torch.Tensor | None = None
+        self._scale_generation = -1
+        # id(inner) -> (weakref to it, its _version when registered or stamped)
+        self._inners: dict[int, tuple[weakref.ref, int]] = {}
+
+    def register(self, inner: torch.Tensor) -> None:
+        self._inners[id(inner)] = (weakref.ref(inner), inner._version)
+
+    def bump(self) -> None:
+        self.generation += 1
+        self.blank = False
+
+    def stamp_scale(self, scale: torch.Tensor) -> None:
+        self._scale, self._scale_generation = scale, self.generation
+        self._refresh_versions()
+
+    def fresh_scale(self) -> torch.Tensor | None:
+        """The stamped scale if no write happened since, else None (host-side, no sync)."""
+        if self._scale is None or self._scale_generation != self.generation:
+            return None
+        for key, (ref, version) in list(self._inners.items()):
+            inner = ref()
+            if inner is None:
+                del self._inners[key]
+            elif inner._version != version:
+                return None
+        return self._scale
+
+    def copy_for(self, inner: torch.Tensor) -> WeightState:
+        """The state of a copy with the same values (clone): a fresh scale stays fresh."""
+        new = WeightState()
+        new.register(inner)
+        scale = self.fresh_scale()
+        if scale is not None:
+            new.stamp_scale(scale)
+        return new
+
+    def _refresh_versions(self) -> None:
+        for key, (ref, _) in list(self._inners.items()):
+            inner = ref()
+            if inner is None:
+                del self._inners[key]
+            else:
+                self._inners[key] = (ref, inner._version)
+
+
+_WRITTEN_ARGS: dict[object, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def _written_args(func) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, kwarg_only) of each argument the op's schema says it writes."""
+    found = _WRITTEN_ARGS.get(func)
+    if found is None:
+        found = tuple(
+            (i, a.name, a.kwarg_only)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITTEN_ARGS[func] = found
+    return found
+
+
+def _written_wrappers(func, args, kwargs) -> list[Float8WeightWrapper]:
+    written = []
+    for i, name, kwarg_only in _written_args(func):
+        value = args[i] if not kwarg_only and i < len(args) else kwargs.get(name)
+        written += [t for t in tree_leaves(value) if isinstance(t, Float8WeightWrapper)]
+    return written
 
 
 class Float8WeightWrapper(torch.Tensor):
     _tensor: torch.Tensor
     _config: Float8LinearConfig
+    _state: WeightState
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig):
+    def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig, state=None):
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -64,6 +159,8 @@ class Float8WeightWrapper(torch.Tensor):
         )
         self._tensor = tensor
         self._config = config
+        self._state = state if state is not None else WeightState()
+        self._state.register(tensor)
         return self
 
     def __repr__(self) -> str:
@@ -76,6 +173,10 @@ class Float8WeightWrapper(torch.Tensor):
     def __tensor_unflatten__(cls, inner, config, outer_size, outer_stride):
         return cls(inner["_tensor"], config)
 
+    def __reduce_ex__(self, protocol):
+        # the high-precision tensor and the config; the mutation state starts afresh
+        return (_rebuild_weight_wrapper, (type(self), self._tensor, self._config))
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
@@ -83,20 +184,47 @@ class Float8WeightWrapper(torch.Tensor):
         kwargs = kwargs or {}
         wrappers = [a for a in _flat(args, kwargs) if isinstance(a, Float8WeightWrapper)]
         first = wrappers[0]
+        written = _written_wrappers(func, args, kwargs)
+        inherited = _scale_kept_by_copy(func, args, written)
+        for w in written:
+            w._state.bump()
+        if inherited is not None:
+            written[0]._state.stamp_scale(inherited)
         unwrapped = tree_map_only(Float8WeightWrapper, lambda w: w._tensor, (args, kwargs))
         out = func(*unwrapped[0], **unwrapped[1])
         if func in PRESERVE_WRAPPER:
-            return tree_map_only(torch.Tensor, lambda t: first._rewrap(t), out)
+            return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
         inner_to_wrapper = {id(w._tensor): w for w in wrappers}
         return tree_map_only(torch.Tensor, lambda t: inner_to_wrapper.get(id(t), t), out)
 
-    def _rewrap(self, tensor: torch.Tensor):
-        new = type(self)(tensor, self._config)
+    def _rewrap(self, tensor: torch.Tensor, func=None):
+        if func in ALIAS_OPS:
+            state = self._state
+        elif func in COPY_OPS and (tensor.dtype, tensor.device) == (self.dtype, self.device):
+            state = self._state.copy_for(tensor)
+        else:  # new storage, or values rounded to another dtype / moved to another device
+            state = WeightState(blank=func is aten.new_zeros.default)
+        new = type(self)(tensor, self._config, state)
         self._copy_state_to(new)
         return new
 
     def _copy_state_to(self, new: Float8WeightWrapper) -> None:
-        """Subclasses carry extra state (e.g. a precomputed scale) through FSDP2's ops."""
+        """Subclasses carry extra per-wrapper state through FSDP2's ops (none by default:
+        value-dependent state belongs in the shared `WeightState`)."""
+
+    # -- scales computed from the current values ---------------------------------------
+    def stamp_scale(self, scale: torch.Tensor) -> None:
+        """Remember `scale` as computed from the weight's current values."""
+        self._state.stamp_scale(scale)
+
+    def fresh_stamped_scale(self) -> torch.Tensor | None:
+        """The stamped scale while the weight is unchanged since, else None (no sync)."""
+        return self._state.fresh_scale()
+
+    @property
+    def mutation_generation(self) -> int:
+        """How many in-place writes the weight's storage has seen through the wrapper."""
+        return self._state.generation
 
     # -- what subclasses decide -------------------------------------------------------
     def float8_scale(self, mesh, module) -> torch.Tensor:
@@ -148,6 +276,18 @@ class Float8WeightWrapper(torch.Tensor):
 
 def _flat(args, kwargs):
     return tree_leaves((args, kwargs))
+
+
+def _scale_kept_by_copy(func, args, written) -> torch.Tensor | None:
+    """copy_ of a wrapper with a fresh scale into a blank (all-zero) wrapper: that scale."""
+    if func is not aten.copy_.default or not written or not written[0]._state.blank:
+        return None
+    src = args[1]
+    return src._state.fresh_scale() if isinstance(src, Float8WeightWrapper) else None
+
+
+def _rebuild_weight_wrapper(cls, tensor, config):
+    return cls(tensor, config)
 
 
 def plain_weight(t: torch.Tensor) -> torch.Tensor:

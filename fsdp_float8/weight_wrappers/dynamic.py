@@ -2,8 +2,9 @@
 
 Preferred source: the scale stored by `precompute_float8_dynamic_scale_for_fsdp` after the
 last optimizer step (one batched collective for the whole model). It is trusted only while
-the weight is unchanged since (the inner tensor's version counter), so a forgotten
-precompute costs a collective, never a stale scale. Otherwise: the local shard's amax,
+the weight is unchanged since (the mutation generation of `base.WeightState`, bumped by
+every in-place op on the wrapper or its aliases), so a forgotten precompute costs a
+collective, never a stale scale. Otherwise: the local shard's amax,
 all-reduced over the shard mesh (one small collective for this weight).
 Rowwise (axiswise) weights scale each output row by its own amax: local to the dim-0 shard,
 so they need neither collective nor precompute.
@@ -19,29 +20,21 @@ from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class DynamicFloat8Weight(Float8WeightWrapper):
-    _precomputed_scale: torch.Tensor | None = None
-    _precomputed_version: int = -1
-
-    def _copy_state_to(self, new) -> None:
-        new._precomputed_scale = self._precomputed_scale
-        new._precomputed_version = self._precomputed_version
-
     def set_precomputed_scale(self, scale: torch.Tensor) -> None:
-        self._precomputed_scale = scale
-        self._precomputed_version = self._tensor._version
+        self.stamp_scale(scale)
 
     def has_fresh_precomputed_scale(self) -> bool:
-        return (
-            self._precomputed_scale is not None
-            and self._precomputed_version == self._tensor._version
-        )
+        """True while the scale stored by the last precompute matches the current values
+        (host-side integer checks, no device sync)."""
+        return self.fresh_stamped_scale() is not None
 
     def float8_scale(self, mesh, module) -> torch.Tensor:
         pow2 = self._config.round_scales_to_power_of_2
         if self.rowwise:  # per output row: the shard has all it needs, no collective
             amax = axis_amax(self._tensor, -1)
             return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)
-        if self.has_fresh_precomputed_scale():
-            return self._precomputed_scale
+        precomputed = self.fresh_stamped_scale()
+        if precomputed is not None:
+            return precomputed
         amax = all_reduce_amax_(tensor_amax(self._tensor).reshape(1), mesh)[0]
         return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)

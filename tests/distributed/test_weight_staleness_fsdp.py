@@ -1,0 +1,109 @@
+"""Under FSDP2 (1 rank, explicit CPU mesh) a precomputed weight scale never goes stale.
+
+After `precompute_float8_dynamic_scale_for_fsdp`, each mutation path changes the weight by
+~1000x without a new precompute; the next forward must still match the high-precision
+output within the float8 linear bar (a stale scale saturates every element: ~0 dB).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8 import (
+    Float8LinearConfig,
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+    sqnr_db,
+)
+from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.weight_wrappers.base import plain_weight
+from tests.distributed.launcher import cpu_mesh, run_distributed
+
+CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
+
+
+def _build(mesh, device="cpu") -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    convert_to_float8_training(model, config=CONFIG)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _step(optimizer_cls, **kwargs):
+    def mutate(model):
+        opt = optimizer_cls(model.parameters(), **kwargs)
+        model(torch.randn(4, 32)).pow(2).sum().backward()
+        opt.step()
+
+    return mutate
+
+
+@torch.no_grad()
+def _mul(model):
+    model[0].weight.mul_(1000)
+
+
+@torch.no_grad()
+def _copy(model):
+    model[0].weight.copy_(model[0].weight.detach() * 1000)
+
+
+@torch.no_grad()
+def _load(model):
+    model.load_state_dict({k: v * 1000 for k, v in model.state_dict().items()})
+
+
+PATHS = {
+    "mul_": _mul,
+    "copy_": _copy,
+    "data.mul_": lambda m: m[0].weight.data.mul_(1000),
+    "adamw_foreach": _step(torch.optim.AdamW, lr=1.0, foreach=True),
+    "adamw_for_loop": _step(torch.optim.AdamW, lr=1.0, foreach=False),
+    "sgd": _step(torch.optim.SGD, lr=1000.0),
+    "load_state_dict": _load,
+}
+
+
+def _output_sqnr(model) -> tuple[bool, float]:
+    x = torch.randn(16, 32)
+    fresh = model[0].weight._local_tensor.has_fresh_precomputed_scale()
+    with torch.no_grad():
+        hp = plain_weight(model[0].weight)
+        ref = x @ (hp.full_tensor() if isinstance(hp, DTensor) else hp).t()
+        out = model(x)  # the root stays unsharded after a no-grad forward: read hp first
+    return fresh, float(sqnr_db(ref, out))
+
+
+def _paths(rank, world_size):
+    mesh = cpu_mesh(world_size)
+    results = {}
+    for name, mutate in PATHS.items():
+        model = _build(mesh)
+        model(torch.randn(2, 32)).sum().backward()  # lazy init, resharded: as in training
+        model.zero_grad()
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        mutate(model)
+        results[name] = _output_sqnr(model)
+    # meta init: precompute (a scale of meta values), to_empty, load real weights
+    real = _build(mesh).state_dict()
+    model = _build(mesh, device="meta")
+    precompute_float8_dynamic_scale_for_fsdp(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict({k: v * 1000 for k, v in real.items()}, strict=True)
+    results["meta_to_empty_load"] = _output_sqnr(model)
+    return results
+
+
+def test_no_stale_precomputed_scale_after_any_mutation(tmp_path):
+    results = run_distributed(_paths, 1, tmp_path, timeout_s=120)[0]
+    bad = {
+        name: (fresh, round(sqnr, 1))
+        for name, (fresh, sqnr) in results.items()
+        if fresh or not sqnr >= SQNR_DB["linear_output"]
+    }
+    assert not bad, f"(still fresh, output SQNR dB) after each path: {bad}"
