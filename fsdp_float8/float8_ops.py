@@ -109,11 +109,17 @@ def _split(func, args, kwargs):
 def _as_strided(func, args, kwargs):
     # FSDP2 calls this on the all-gathered weight to cut the padding of uneven shards.
     t, size = args[0], list(args[1])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    scale = t._scale
+    per_row = scale.dim() == 2 and scale.shape[1] == 1
+    if per_row and size == list(t.shape) and not offset:
+        # nothing to cut: keep the data's strides (the rowwise all-gather output has the
+        # row scales' bytes between rows, so the data is not contiguous)
+        return _rewrap(t, t._data)
     data = func(t._data, *args[1:], **kwargs)
     if _tensorwise(t):
         return _rewrap(t, data)
-    scale = t._scale
-    if scale.dim() == 2 and scale.shape[1] == 1 and t._data.is_contiguous():
+    if per_row and t._data.is_contiguous():
         return _rewrap(t, data, scale[: size[0]])
     raise ValueError(
         f"as_strided on an axiswise Float8Tensor with scale {tuple(scale.shape)} is only "

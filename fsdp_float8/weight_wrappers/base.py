@@ -253,25 +253,65 @@ class Float8WeightWrapper(torch.Tensor):
                     "shard size, which the row scales cannot have; use rows divisible by the "
                     "shard count, the 'tensorwise' recipe, or enable_fsdp_float8_all_gather=False"
                 )
-            return (data, scale), (None, self.float8_dtype, self._config.emulate)
+            # Each row's float32 scale rides as 4 more uint8 columns of that row: ONE
+            # all-gather input, because at shard size 1 (one rank, HSDP (N, 1)) FSDP2 skips
+            # the collective and hands the post-hook only the first input; and the scales
+            # then live in FSDP2's all-gather output, so on CUDA no tensor made on the
+            # copy-in stream outlives it.
+            scale_bytes = scale.reshape(-1, 1).view(torch.uint8)
+            return (torch.cat([data, scale_bytes], dim=1),), (
+                None,
+                self.float8_dtype,
+                self._config.emulate,
+            )
         if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
             data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0]))
+        # The tensorwise scale (the same on every rank) stays metadata: under uneven
+        # sharding FSDP2 demands every input at exactly the padded shard size, so the data
+        # leaves no room for it. See fsdp_post_all_gather for its CUDA lifetime.
         return (data,), (scale, self.float8_dtype, self._config.emulate)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         gathered_scale, float8_dtype, emulate = metadata
+        if self.rowwise:
+            gathered = all_gather_outputs[0]
+            data, scale = _split_row_scales(gathered, float8_dtype)
+            if out is None:
+                # FSDP2 frees and re-allocates the storage of these around each use, sized
+                # by their numel: the whole gathered buffer, not the strided views of it
+                # (plus the scales when they had to be copied out)
+                inner = (gathered,) if _same_storage(scale, gathered) else (gathered, scale)
+                return Float8Tensor(data, scale, param_dtype, emulate), inner
+            if not _same_storage(out._scale, gathered):  # a copy (K % 4 != 0 bytes a row)
+                out._scale.copy_(scale)
+            return  # otherwise data and scales alias the all-gather output FSDP2 refilled
         data = all_gather_outputs[0].view(float8_dtype)
-        if len(all_gather_outputs) == 2:  # rowwise: the scales arrived with the data
-            scale = all_gather_outputs[1]
-            if out is not None:
-                return  # data and scales alias the all-gather outputs that FSDP2 refilled
-            return Float8Tensor(data, scale, param_dtype, emulate), (data, scale)
+        if gathered_scale.is_cuda:
+            # made on FSDP2's all-gather copy-in stream, read here on the current stream:
+            # without this the caching allocator may hand its memory to the next block's
+            # prefetch (on the copy-in stream) before the read below has run
+            gathered_scale.record_stream(torch.cuda.current_stream(gathered_scale.device))
         if out is not None:
             if not isinstance(out, Float8Tensor):
                 raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
             out._scale.copy_(gathered_scale)
             return
         return Float8Tensor(data, gathered_scale.clone(), param_dtype, emulate), (data,)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _split_row_scales(gathered: torch.Tensor, float8_dtype: torch.dtype):
+    """(rows, K + 4) uint8 -> float8 data (rows, K) and float32 scales (rows, 1), as views
+    of the gathered bytes (a copy of the scales when K % 4 leaves them unaligned)."""
+    k = gathered.shape[1] - 4
+    data = gathered[:, :k].view(float8_dtype)
+    scale_bytes = gathered[:, k:]
+    if k % 4:
+        scale_bytes = scale_bytes.contiguous()
+    return data, scale_bytes.view(torch.float32)
 
 
 def _flat(args, kwargs):
