@@ -48,8 +48,10 @@ from fsdp_float8.weight_wrappers import (
     DynamicFloat8Weight,
     StaticFloat8Weight,
 )
+from fsdp_float8.weight_wrappers.base import _rebuild_weight_wrapper
 
-# checkpoints holding these load with torch.load(weights_only=True)
+# checkpoints holding these load with torch.load(weights_only=True); a weight wrapper
+# pickles its config, so the config dataclasses and enums are safe globals too
 torch.serialization.add_safe_globals(
     [
         Float8Tensor,
@@ -57,6 +59,15 @@ torch.serialization.add_safe_globals(
         DynamicFloat8Weight,
         DelayedFloat8Weight,
         StaticFloat8Weight,
+        _rebuild_weight_wrapper,
+        Float8LinearConfig,
+        CastConfig,
+        DelayedScalingConfig,
+        Float8GemmConfig,
+        ScalingType,
+        ScalingGranularity,
+        Operand,
+        Gemm,
     ]
 )
 

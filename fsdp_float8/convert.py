@@ -87,12 +87,7 @@ def convert_to_float8_training(
 
 
 def _to_float8(linear: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
-    new = Float8Linear.from_float(linear, config)
-    if config.enable_fsdp_float8_all_gather:
-        from fsdp_float8.weight_wrappers import wrap_weight
-
-        new.weight = wrap_weight(new.weight, new)
-    return new
+    return Float8Linear.from_float(linear, config)  # wraps the weight for float8 all-gather
 
 
 def _plan_children(parent, prefix, config, module_filter_fn, report, plan) -> None:

@@ -37,7 +37,8 @@ from fsdp_float8.scaling import (
     Tensorwise,
     cast_to_float8_data,
 )
-from fsdp_float8.weight_wrappers.base import plain_weight
+from fsdp_float8.weight_wrappers import wrap_weight
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 
 _CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
 
@@ -217,7 +218,9 @@ class Float8Linear(nn.Linear):
         self.delayed_weight_ready = False  # the weight alone, seeded by a sync before forward
         self._register_delayed_buffers()
         self.register_load_state_dict_post_hook(_refresh_delayed_ready)
+        self.register_load_state_dict_post_hook(_keep_weight_wrapped)
         self._register_state_dict_hook(_plain_weight_in_state_dict)
+        self.wrap_weight_for_fsdp()
 
     @classmethod
     def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
@@ -228,7 +231,23 @@ class Float8Linear(nn.Linear):
         new.weight = mod.weight  # shared, not copied
         new.bias = mod.bias
         new._register_delayed_buffers(device=mod.weight.device)
+        new.wrap_weight_for_fsdp()
         return new
+
+    def wrap_weight_for_fsdp(self) -> None:
+        """With `enable_fsdp_float8_all_gather`, make the weight (or a DTensor weight's local
+        tensor) a float8 weight wrapper, so FSDP2 gathers it in float8: every path that
+        builds or reloads the layer ends here (idempotent; the storage is shared)."""
+        if not self.config.enable_fsdp_float8_all_gather:
+            return
+        from torch.distributed.tensor import DTensor
+
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            if not isinstance(weight._local_tensor, Float8WeightWrapper):
+                weight._local_tensor = wrap_weight(weight._local_tensor, self).data
+        elif not isinstance(weight, Float8WeightWrapper):
+            self.weight = wrap_weight(weight, self)
 
     # torchao's Float8Linear attributes, read by code written for it (its tensor-parallel
     # styles check that input and grad_output are dynamically scaled)
@@ -322,6 +341,8 @@ class Float8Linear(nn.Linear):
         return states
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.enable_fsdp_float8_all_gather:
+            _require_float8_weight(self.weight)
         _check_input_dtype(x)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -366,6 +387,22 @@ def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> N
         weight = module.weight
         own = plain_weight(weight)
         state_dict[key] = own if value is weight else own.detach()
+
+
+def _keep_weight_wrapped(module: Float8Linear, incompatible_keys) -> None:
+    # load_state_dict(assign=True) swaps in the checkpoint's plain tensor
+    module.wrap_weight_for_fsdp()
+
+
+def _require_float8_weight(weight) -> None:
+    # under FSDP2 the weight is the gathered Float8Tensor; unsharded, the wrapper itself
+    if not isinstance(weight, (Float8Tensor, Float8WeightWrapper)):
+        raise TypeError(
+            f"this Float8Linear has enable_fsdp_float8_all_gather=True but its weight is a "
+            f"plain {type(weight).__name__}, which FSDP2 would gather in high precision; "
+            "assign weights with load_state_dict (the wrapper is kept) or call "
+            "layer.wrap_weight_for_fsdp() after replacing the weight, before fully_shard"
+        )
 
 
 def _refresh_delayed_ready(module: Float8Linear, incompatible_keys) -> None:

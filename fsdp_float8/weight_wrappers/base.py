@@ -175,7 +175,9 @@ class Float8WeightWrapper(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # the high-precision tensor and the config; the mutation state starts afresh
-        return (_rebuild_weight_wrapper, (type(self), self._tensor, self._config))
+        is_param = isinstance(self, torch.nn.Parameter)
+        args = (type(self), self._tensor, self._config, is_param, self.requires_grad)
+        return (_rebuild_weight_wrapper, args)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -326,8 +328,9 @@ def _scale_kept_by_copy(func, args, written) -> torch.Tensor | None:
     return src._state.fresh_scale() if isinstance(src, Float8WeightWrapper) else None
 
 
-def _rebuild_weight_wrapper(cls, tensor, config):
-    return cls(tensor, config)
+def _rebuild_weight_wrapper(cls, tensor, config, is_param=False, requires_grad=False):
+    wrapper = cls(tensor, config)
+    return torch.nn.Parameter(wrapper, requires_grad) if is_param else wrapper
 
 
 def plain_weight(t: torch.Tensor) -> torch.Tensor:
