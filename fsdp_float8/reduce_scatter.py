@@ -199,8 +199,10 @@ class Float8ReduceScatter(ReduceScatter):
         """Quantize the chunks for the other ranks and swap them in one all-to-all; returns
         the packed rows received from the other ranks, in rank order."""
         world_size = chunks.shape[0]
-        others = [r for r in range(world_size) if r != rank]
-        send = quantize_blocks(chunks[others], **self._block_kwargs())
+        # slices, not chunks[list]: indexing with a Python list copies an index tensor from
+        # the host (a sync on CUDA)
+        others = torch.cat([chunks[:rank], chunks[rank + 1 :]])
+        send = quantize_blocks(others, **self._block_kwargs())
         recv = torch.empty_like(send)
         if world_size == 1:  # nothing travels
             return recv

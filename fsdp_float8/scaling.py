@@ -190,4 +190,22 @@ class StaticScaling:
         object.__setattr__(self, "granularity", granularity)
 
     def scale(self, hp, dim, float8_dtype, state=None):
-        return torch.tensor(self.scale_value, dtype=torch.float32, device=hp.device)
+        return static_scale_tensor(self.scale_value, hp.device)
+
+
+_STATIC_SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def static_scale_tensor(value: float, device: torch.device) -> torch.Tensor:
+    """A static scale as a 0-d float32 tensor on `device`, made once per (value, device):
+    `torch.tensor(python_float, device="cuda")` on every cast would be a pageable
+    host-to-device copy each time. Shared and read-only: never write into it."""
+    if torch.compiler.is_compiling():  # a constant of the graph
+        return torch.tensor(value, dtype=torch.float32, device=device)
+    key = (float(value), torch.device(device))
+    scale = _STATIC_SCALES.get(key)
+    if scale is None:
+        with torch.inference_mode(False), torch.no_grad():  # usable by autograd later
+            scale = torch.tensor(key[0], dtype=torch.float32, device=key[1])
+        _STATIC_SCALES[key] = scale
+    return scale
