@@ -268,34 +268,86 @@ def scaled_mm_data(
     pad_inner_dim: bool = False,
 ) -> torch.Tensor:
     """a (M, K) @ b (K, N) from float8 data and scales (`scale` multiplies hp into fp8).
-    Lays out a row-major and b column-major (what the hardware GEMM needs), pads K to a
-    multiple of 16 when asked, and either calls `torch._scaled_mm` or emulates it in
-    float32. Takes plain tensors so the linear layer's autograd function traces under
-    torch.compile without building subclasses inside the graph."""
-    inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], b_data.shape[1])
+    Lays out a row-major and b column-major (what the hardware GEMM needs), pads K and N to
+    multiples of 16 when asked (`_pad_to_16`), and either calls `torch._scaled_mm` or
+    emulates it in float32. Takes plain tensors so the linear layer's autograd function
+    traces under torch.compile without building subclasses inside the graph."""
+    n = b_data.shape[1]
+    inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n)
     a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
     b_data = b_data if b_data.t().is_contiguous() else b_data.t().contiguous().t()
-    k = a_data.shape[1]
-    if k % 16 != 0:
-        if pad_inner_dim:
-            pad = 16 - k % 16
-            a_data = _pad_rows(a_data, pad, dim=1)
-            b_data = _pad_rows(b_data.t(), pad, dim=1).t()
-        elif not emulate and a_data.is_cuda:
-            raise ValueError(
-                f"float8 GEMM inner dim {k} is not a multiple of 16, which torch._scaled_mm "
-                "needs on CUDA; set Float8LinearConfig(pad_inner_dim=True) or use a layer "
-                "whose dims are multiples of 16"
-            )
+    cuda = not emulate and a_data.is_cuda
+    a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)
     if emulate:
         out = (a_data.to(torch.float32) * inv_a) @ (b_data.to(torch.float32) * inv_b)
-        return out.to(out_dtype)
-    if a_data.device.type == "cpu" and inv_a.dim() == 0 and inv_b.dim() == 0:
-        # CPU torch._scaled_mm (torch 2.13) sends 0-d scales of same-dtype operands to a
-        # oneDNN kernel ~300x slower than its per-row path; the same values as (M, 1) and
-        # (1, N) take the fast path and agree to float32 rounding.
-        inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
-        inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
-    return torch._scaled_mm(
-        a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
-    )
+        out = out.to(out_dtype)
+    else:
+        check_gemm_supported(a_data.device.type, rowwise=inv_a.dim() > 0, out_dtype=out_dtype)
+        if a_data.device.type == "cpu" and inv_a.dim() == 0 and inv_b.dim() == 0:
+            # CPU torch._scaled_mm (torch 2.13) sends 0-d scales of same-dtype operands to a
+            # oneDNN kernel ~300x slower than its per-row path; the same values as (M, 1)
+            # and (1, N) take the fast path and agree to float32 rounding.
+            inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
+            inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
+        out = torch._scaled_mm(
+            a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+        )
+    return out if out.shape[1] == n else out[:, :n].contiguous()  # cut N's padding
+
+
+def _pad_to_16(a_data, b_data, inv_b, pad_inner_dim: bool, cuda: bool):
+    """CUDA torch._scaled_mm needs K and N (both dims of b) to be multiples of 16. With
+    `pad_inner_dim`, zero-pad K in both operands (adds nothing to the sum) and N with zero
+    columns of b (scale 1; the caller cuts them off the output); without it, refuse on
+    CUDA (CPU and emulation take any shape)."""
+    k, n = a_data.shape[1], b_data.shape[1]
+    if k % 16 == 0 and n % 16 == 0:
+        return a_data, b_data, inv_b
+    if not pad_inner_dim:
+        if cuda:
+            raise ValueError(
+                f"float8 GEMM with K={k}, N={n}: torch._scaled_mm on CUDA needs both to be "
+                "multiples of 16; set Float8LinearConfig(pad_inner_dim=True) (pads them "
+                "with zeros) or use a layer whose dims are multiples of 16"
+            )
+        return a_data, b_data, inv_b
+    if k % 16:
+        a_data = _pad_rows(a_data, -k % 16, dim=1)
+        b_data = _pad_rows(b_data.t(), -k % 16, dim=1).t()
+    if n % 16:
+        b_data = _pad_rows(b_data.t(), -n % 16, dim=0).t()
+        if inv_b.dim() == 2:
+            inv_b = F.pad(inv_b, (0, -n % 16), value=1.0)
+    return a_data, b_data, inv_b
+
+
+def check_gemm_supported(device_type: str, *, rowwise: bool, out_dtype: torch.dtype) -> None:
+    """Refuse a float8 GEMM that CUDA torch._scaled_mm cannot run (checked on any device,
+    so CPU tests see the same rule): row-wise scales give a bfloat16 output only."""
+    if device_type == "cuda" and rowwise and out_dtype != torch.bfloat16:
+        raise ValueError(
+            f"a rowwise-scaled float8 GEMM on CUDA asks for a {out_dtype} output, but "
+            "torch._scaled_mm with row-wise scales produces bfloat16 only; train with "
+            "bfloat16 parameters and activations (FSDP2 MixedPrecisionPolicy(param_dtype="
+            "torch.bfloat16), torch.autocast, or model.to(torch.bfloat16)), or use the "
+            "'tensorwise' recipe, or Float8LinearConfig(emulate=True)"
+        )
+
+
+def check_float8_gemm_device(device: torch.device, *, emulate: bool) -> None:
+    """At convert time: refuse a CUDA device without float8 GEMMs (compute capability
+    below 8.9). A meta-device model is judged by the current CUDA device, if any."""
+    if emulate or torch.version.hip is not None:
+        return
+    if device.type == "meta" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"float8 GEMMs need a CUDA device of compute capability 8.9 or higher (Ada, "
+            f"Hopper, Blackwell); {device} has {major}.{minor}. Set "
+            "Float8LinearConfig(emulate=True) to run the same float8 numerics in float32 "
+            "emulation, or keep the model in bf16 on this device"
+        )

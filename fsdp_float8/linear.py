@@ -28,7 +28,7 @@ from fsdp_float8.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fsdp_float8.float8_ops import scaled_mm_data
+from fsdp_float8.float8_ops import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.scaling import (
     DelayedScaling,
@@ -212,6 +212,8 @@ class Float8Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.config = config or Float8LinearConfig()
         _check_dims(self.in_features, self.out_features, self.config)
+        if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
+            check_float8_gemm_device(self.weight.device, emulate=self.config.emulate)
         self.plan = CastPlan.from_config(self.config)
         self._forwards_since_sync = 0
         self.delayed_ready = False  # host-side mirror of fp8_initialized_*, no sync to read
@@ -226,6 +228,8 @@ class Float8Linear(nn.Linear):
     def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
+        emulate = (config or Float8LinearConfig()).emulate
+        check_float8_gemm_device(mod.weight.device, emulate=emulate)
         with torch.device("meta"):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)
         new.weight = mod.weight  # shared, not copied

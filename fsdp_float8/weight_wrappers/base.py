@@ -244,6 +244,7 @@ class Float8WeightWrapper(torch.Tensor):
         return cfg.scaling_granularity is ScalingGranularity.AXISWISE
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        _refuse_cpu_offload(self, module)
         scale = self.float8_scale(mesh, module)
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
@@ -299,6 +300,19 @@ class Float8WeightWrapper(torch.Tensor):
             out._scale.copy_(gathered_scale)
             return
         return Float8Tensor(data, gathered_scale.clone(), param_dtype, emulate), (data,)
+
+
+def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
+    """Under FSDP2's CPUOffloadPolicy the sharded weight stays on the CPU and the pre-hook
+    runs on a copy moved to the GPU: a scale made from the CPU shard (precompute, delayed
+    state) would sit on the wrong device. Every rank sees the same, so every rank raises."""
+    sharded = getattr(getattr(module, "weight", None), "_local_tensor", None)
+    if sharded is not None and sharded.device != moved.device:
+        raise ValueError(
+            f"float8 all-gather of a weight offloaded to {sharded.device} and gathered on "
+            f"{moved.device} (FSDP2 offload_policy=CPUOffloadPolicy()) is not supported; "
+            "drop the offload policy or set enable_fsdp_float8_all_gather=False"
+        )
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
