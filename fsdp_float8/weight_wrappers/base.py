@@ -76,7 +76,9 @@ class WeightState:
         self._inners: dict[int, tuple[weakref.ref, int]] = {}
 
     def register(self, inner: torch.Tensor) -> None:
-        self._inners[id(inner)] = (weakref.ref(inner), inner._version)
+        # the entry leaves with the tensor (an alias per forward must not pile up)
+        key, inners = id(inner), self._inners
+        inners[key] = (weakref.ref(inner, lambda _: inners.pop(key, None)), inner._version)
 
     def bump(self) -> None:
         self.generation += 1

@@ -124,3 +124,10 @@ def test_meta_init_precompute_to_empty_and_load():
     assert not w.has_fresh_precomputed_scale()
     fresh = amax_to_scale(tensor_amax(real[0].weight._tensor), E4M3)
     assert torch.equal(w.float8_scale(None, model[0]), fresh)
+
+
+def test_aliases_made_per_forward_do_not_pile_up():
+    model = _model()
+    for _ in range(20):
+        model(torch.randn(2, 32)).sum().backward()  # each cast takes a detached alias
+    assert len(_weight(model)._state._inners) <= 3
