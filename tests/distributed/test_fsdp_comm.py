@@ -2,7 +2,8 @@
 
 Counted at the dispatcher with `CollectiveCounter`, on 2 ranks:
 - float8 all-gather: each converted weight travels at 1 byte per element, in forward and
-  in backward after reshard (scales travel in no collective: every rank derives the same);
+  in backward after reshard (a tensorwise scale travels in no collective: every rank
+  derives the same; rowwise row scales add 4 bytes per row inside the same payload);
 - precompute: exactly one amax all-reduce per step, for 2 or 8 layers, none in fwd/bwd;
 - delayed scaling: exactly one all-reduce per step (the sync);
 - the first step is bounded: precompute before the first forward means no per-weight
