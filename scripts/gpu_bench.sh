@@ -11,10 +11,12 @@
 # linear_compile.json and gpu_bench.log with everything printed. Budget (the timeouts add
 # up to 470 s):
 #   the `gpu`-marked tests (real _scaled_mm, CUDA amax, NCCL FSDP2)  40 s
+#   the single-process gpu tests again under TORCH_CUDA_SANITIZER=1     30 s
+#     (CSAN: a tensor used on one stream while another writes it fails)
 #   linear eager, 8 Llama-3 8B/70B shapes x (bf16 + 3 recipes)        90 s
 #   cast, eager + compiled, 3 Llama-sized tensors                       60 s
 #   fsdp, torchrun --nproc_per_node 1 with NCCL, every config           100 s
-#   linear compiled, the 4 FFN shapes (the big ones; 16 compiles,       180 s
+#   linear compiled, the 4 FFN shapes (the big ones; 16 compiles,       150 s
 #     8B then 70B w1/w3 first, so a cut run still has the largest)
 # torchao is compared only where it imports there (carry its wheel; see
 # /work/.library/device/README.md); otherwise bench_fsdp reports it as skipped.
@@ -52,13 +54,17 @@ cat "$OUT/env.txt" | tee -a "$LOG"
 
 step gpu_tests 40 "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
   --junit-xml "$OUT/gpu_tests.xml"
+# CSAN checks stream-ordering of every kernel launch (slow): the GEMM-contract tests only,
+# which exercise the float8 casts and scaled GEMMs of forward and backward
+step gpu_sanitizer 30 env TORCH_CUDA_SANITIZER=1 "$PYTHON" -m pytest -q -m gpu \
+  tests/gpu/test_cuda_contract.py -k "not nccl" -p no:cacheprovider
 step linear_eager 90 "$PYTHON" -m scripts.bench_linear --device cuda --shapes llama \
   --kernels --json "$OUT/linear.json"
 step cast 60 "$PYTHON" -m scripts.bench_cast --device cuda --compile --json "$OUT/cast.json"
 step fsdp 100 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 \
   -m scripts.bench_fsdp --device cuda --json "$OUT/fsdp.json"
 FFN=16384x4096x14336,16384x8192x28672,16384x14336x4096,16384x28672x8192
-step linear_compile 180 "$PYTHON" -m scripts.bench_linear --device cuda --shapes "$FFN" \
+step linear_compile 150 "$PYTHON" -m scripts.bench_linear --device cuda --shapes "$FFN" \
   --compile-only --kernels --warmup 3 --iters 10 --json "$OUT/linear_compile.json"
 
 echo "=== done: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$LOG"
