@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 
-.PHONY: venv test test-slow test-gpu train format
+.PHONY: venv test test-torch test-slow test-gpu train format
 
 venv: $(STAMP)
 
@@ -22,6 +22,27 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
+
+# The default suite under another torch: `make test-torch TORCH=2.11.0` (any 2.11-2.15).
+# A separate venv per version, .venv-torch-$(TORCH). Those wheels come from the registry
+# (CUDA builds of a few GB; they run on CPU); PIP_CONSTRAINT=/dev/null lifts this machine's
+# global torch<=2.14.1 cap for that one command, and the project is then installed under a
+# constraint that pins torch==$(TORCH), so pip cannot swap it.
+TORCH ?=
+TVENV := .venv-torch-$(TORCH)
+TBIN := $(TVENV)/bin
+
+$(TVENV)/.installed: pyproject.toml
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.11.0"; exit 2; }
+	test -x $(TBIN)/python || $(PYTHON) -m venv $(TVENV)
+	PIP_CONSTRAINT=/dev/null $(TBIN)/pip install torch==$(TORCH)
+	echo torch==$(TORCH) > $(TVENV)/constraints.txt
+	PIP_CONSTRAINT=$(TVENV)/constraints.txt $(TBIN)/pip install -e '.[dev]'
+	touch $@
+
+test-torch: $(TVENV)/.installed
+	$(TBIN)/python -c "import torch; print('torch', torch.__version__)"
+	$(TBIN)/python -m pytest -q
 
 # pytest exits 5 when nothing is collected (no slow/gpu tests yet): not a failure here.
 test-slow: venv

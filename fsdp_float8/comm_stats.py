@@ -7,7 +7,8 @@ wrapping ``torch.distributed`` Python functions, is what makes it see all three 
 collective can take:
 
 - the ``torch.distributed`` API (``dist.all_reduce``, ``all_gather_into_tensor``, ...) and
-  what FSDP2 calls (``dist.all_gather_single`` / ``dist.reduce_scatter_single``), which
+  what FSDP2 calls (``dist.all_gather_single`` / ``dist.reduce_scatter_single`` from torch
+  2.13, ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in 2.11: the same ops), which
   arrive as ``torch.ops.c10d.*`` (``_allgather_base_``, ``_reduce_scatter_base_``,
   ``allreduce_``, ...);
 - functional collectives (``torch.distributed._functional_collectives``, DTensor
@@ -90,8 +91,10 @@ class _OpSpec:
 
 _K = CollectiveKind
 
-# One table for every collective op at the dispatcher (torch 2.13), keyed by
-# "namespace::name". The argument names are the ops' schema names.
+# One table for every collective op at the dispatcher (torch 2.11 to 2.15), keyed by
+# "namespace::name". The argument names are the ops' schema names. An op a torch does not
+# register is simply never seen (2.11 lacks the functional p2p ops, for instance);
+# tests/unit/test_comm_stats_table.py fails when a torch registers one the table lacks.
 _SPECS: dict[str, _OpSpec] = {
     # torch.distributed API / ProcessGroup methods
     "c10d::_allgather_base_": _OpSpec(_K.ALL_GATHER, "input_tensor", None, "process_group"),
@@ -116,6 +119,7 @@ _SPECS: dict[str, _OpSpec] = {
     "c10d::alltoall_base_": _OpSpec(_K.ALL_TO_ALL, "input", None, "process_group"),
     "c10d::reduce_": _OpSpec(_K.OTHER, "tensors", "reduce_op", "process_group"),
     "c10d::gather_": _OpSpec(_K.OTHER, "input_tensors", None, "process_group"),
+    "c10d::gather_into_tensor_": _OpSpec(_K.OTHER, "input_tensor", None, "process_group"),  # 2.14+
     "c10d::scatter_": _OpSpec(_K.OTHER, "input_tensors", None, "process_group"),
     "c10d::send": _OpSpec(_K.OTHER, "tensors", None, "process_group"),
     "c10d::recv_": _OpSpec(_K.OTHER, None, None, "process_group"),
@@ -174,6 +178,7 @@ _SPECS: dict[str, _OpSpec] = {
 _NOT_COLLECTIVES = frozenset(
     {
         "_c10d_functional::wait_tensor",
+        "_c10d_functional::wait_tensors",  # torch 2.15+
         "_c10d_functional::_wrap_tensor_autograd",
         "c10d_functional::wait_tensor",
         "c10d::check_for_nan",

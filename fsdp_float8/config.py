@@ -42,6 +42,11 @@ class Gemm(enum.Enum):
     GRAD_WEIGHT = "grad_weight"
 
 
+# The members as tuples: loop over these, not the Enum classes (dynamo in torch 2.11 cannot
+# iterate an Enum class inside a compiled function).
+OPERANDS: tuple[Operand, ...] = tuple(Operand)
+GEMMS: tuple[Gemm, ...] = tuple(Gemm)
+
 # (left operand, right operand) of each GEMM, in the order they are multiplied.
 GEMM_OPERANDS: dict[Gemm, tuple[Operand, Operand]] = {
     Gemm.OUTPUT: (Operand.INPUT, Operand.WEIGHT),
@@ -246,7 +251,7 @@ class Float8LinearConfig:
                     f"{self.cast(right, gemm).scaling_type.value}: both operands of a GEMM "
                     "must be float8 or both high precision; disable or enable both"
                 )
-        for operand in Operand:
+        for operand in OPERANDS:
             self._check_second_use(operand)
         if self.enable_fsdp_float8_all_gather:
             self._check_fsdp_all_gather()

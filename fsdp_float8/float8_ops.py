@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from fsdp_float8._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.float8_tensor import Float8Tensor
 
 aten = torch.ops.aten
@@ -234,6 +235,49 @@ def _pad_rows(data: torch.Tensor, pad: int, dim: int) -> torch.Tensor:
     return F.pad(as_bytes, padding).view(data.dtype)
 
 
+def _cpu_scaled_mm(
+    a_data: torch.Tensor,
+    b_data: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """CPU `torch._scaled_mm`, for what this torch's CPU kernel takes (fsdp_float8._compat).
+
+    With row scales (torch 2.13+): 0-d scales go in as (M, 1) and (1, N), because 0-d scales
+    of same-dtype operands take a oneDNN kernel ~300x slower than the per-row path (2.13);
+    the two agree to float32 rounding. Without (2.11: 0-d only), row scales are applied
+    around a GEMM with unit scales: `out = inv_a * (a_data @ b_data) * inv_b` in float32,
+    rounded once to out_dtype. Scales commute with the sum over K, so this is the dequantized
+    product: equal to the native row-scale path when the scales are powers of two, to float32
+    rounding otherwise (tests/unit/test_scaling.py checks both against the native path).
+    """
+    tensorwise = inv_a.dim() == 0 and inv_b.dim() == 0
+    if cpu_scaled_mm_takes_row_scales():
+        if tensorwise:
+            inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
+            inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
+    elif not tensorwise:
+        return row_scaled_mm_around_unit_gemm(a_data, b_data, inv_a, inv_b, out_dtype)
+    return torch._scaled_mm(
+        a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
+
+
+def row_scaled_mm_around_unit_gemm(
+    a_data: torch.Tensor,
+    b_data: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Row-scaled float8 GEMM from a tensorwise GEMM with unit scales (see `_cpu_scaled_mm`)."""
+    one = torch.ones((), dtype=torch.float32, device=a_data.device)
+    out = torch._scaled_mm(a_data, b_data, one, one, out_dtype=torch.float32)
+    return (out * inv_a * inv_b).to(out_dtype)
+
+
 def scaled_mm(
     a: Float8Tensor,
     b: Float8Tensor,
@@ -283,15 +327,12 @@ def scaled_mm_data(
         out = out.to(out_dtype)
     else:
         check_gemm_supported(a_data.device.type, rowwise=inv_a.dim() > 0, out_dtype=out_dtype)
-        if a_data.device.type == "cpu" and inv_a.dim() == 0 and inv_b.dim() == 0:
-            # CPU torch._scaled_mm (torch 2.13) sends 0-d scales of same-dtype operands to a
-            # oneDNN kernel ~300x slower than its per-row path; the same values as (M, 1)
-            # and (1, N) take the fast path and agree to float32 rounding.
-            inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
-            inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
-        out = torch._scaled_mm(
-            a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
-        )
+        if a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
+            out = _cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
+        else:
+            out = torch._scaled_mm(
+                a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+            )
     return out if out.shape[1] == n else out[:, :n].contiguous()  # cut N's padding
 
 

@@ -20,6 +20,8 @@ from torch import nn
 from fsdp_float8.config import (
     CONTRACTION_DIM,
     GEMM_OPERANDS,
+    GEMMS,
+    OPERANDS,
     PRIMARY_GEMM,
     SECOND_GEMM,
     Float8LinearConfig,
@@ -61,7 +63,7 @@ class CastPlan:
         return cls(
             strategies={k: config.strategy(*k) for k in _CASTS},
             dtypes={k: config.float8_dtype(*k) for k in _CASTS},
-            fast_accum={g: config.gemm_config(g).use_fast_accum for g in Gemm},
+            fast_accum={g: config.gemm_config(g).use_fast_accum for g in GEMMS},
             emulate=config.emulate,
             pad_inner_dim=config.pad_inner_dim,
             weight_from_rows=config.enable_fsdp_float8_all_gather
@@ -270,7 +272,7 @@ class Float8Linear(nn.Linear):
     def delayed_operands(self) -> list[Operand]:
         return [
             op
-            for op in Operand
+            for op in OPERANDS
             if isinstance(self.plan.strategies[(op, _primary(op))], DelayedScaling)
         ]
 
@@ -361,7 +363,7 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.config
         parts = []
-        for op in Operand:
+        for op in OPERANDS:
             first = c.cast(op, _primary(op))
             second = c.cast(op, c.second_gemm(op))
             text = f"{_short(first)}:{_dtype_name(c.float8_dtype(op, _primary(op)))}"

@@ -34,7 +34,9 @@ float32/bf16 reduce dtype (gloo and NCCL alike), PREMUL_SUM(1/f) after
 ``set_gradient_divide_factor(f)`` with f != world size (which plain gloo refuses; this class
 accepts it), SUM with FSDP2's own pre/post division for fp16 or
 ``set_force_sum_reduction_for_comms(True)``. Any other op raises ``NotImplementedError``:
-there is no silent fallback to high-precision communication.
+there is no silent fallback to high-precision communication. Nor for a PREMUL_SUM whose
+factor this torch does not expose (2.11's FSDP2 builds it with ``_make_nccl_premul_sum``):
+that raises, naming the remedy (``fsdp_float8._compat``).
 
 The collective is issued synchronously; with ``async_op=True`` (FSDP2 does not pass it) the
 result is ready on return and an already-completed ``Work`` is returned.
@@ -51,6 +53,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from fsdp_float8._compat import premul_sum_factor
 from fsdp_float8.scaling import amax_to_scale, axis_amax, cast_to_float8_data
 
 __all__ = [
@@ -224,7 +227,14 @@ def _reduce_op_finisher(op, world_size: int):
     if kind == _RedOp.AVG:
         return lambda total: total.div_(world_size)
     if kind == _RedOp.PREMUL_SUM:
-        factor = op.factor
+        factor = premul_sum_factor(op)
+        if factor is None:
+            raise NotImplementedError(
+                f"Float8ReduceScatter got PREMUL_SUM from FSDP2 but this torch "
+                f"({torch.__version__}) does not expose the op's factor (ReduceOp.factor), so "
+                "the float8 sum cannot be scaled by it. Leave set_gradient_divide_factor unset "
+                "(FSDP2 then passes AVG), or use a torch whose ReduceOp has .factor (2.13+)."
+            )
         return lambda total: total.mul_(factor)
     name = getattr(kind, "name", repr(kind))
     raise NotImplementedError(

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_float8.config import CONTRACTION_DIM, GEMM_OPERANDS, PRIMARY_GEMM, Gemm, Operand
+from fsdp_float8.config import CONTRACTION_DIM, GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, Gemm, Operand
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.linear import CastPlan, Float8Linear
 from fsdp_float8.numerics import out_of_range_fraction, underflow_fraction
@@ -346,7 +346,7 @@ def _observed_casts(plan: CastPlan, all_casts: bool) -> dict[Operand, list[Gemm]
     """Per operand, the GEMMs whose cast is observed: the first enabled one, plus (with
     all_casts) the second unless the layer reuses the first cast for it."""
     out: dict[Operand, list[Gemm]] = {}
-    for op in Operand:
+    for op in OPERANDS:
         first = PRIMARY_GEMM[op]
         second = next(g for g, ops in GEMM_OPERANDS.items() if op in ops and g is not first)
         gemms = [g for g in (first, second) if plan.strategies[(op, g)] is not None]

@@ -12,6 +12,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from fsdp_float8._compat import all_gather_single
 from fsdp_float8.comm_stats import CollectiveCounter, CollectiveKind
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
@@ -55,8 +56,8 @@ def _plain_and_functional(mesh) -> dict:
 
     with CollectiveCounter() as counter:
         a = funcol.all_reduce(torch.ones(5), "sum", mesh)
-        g = funcol.all_gather_single(torch.ones(3, 2), 0, mesh)
-        s = funcol.reduce_scatter_single(torch.ones(4, 2), "avg", 0, mesh)
+        g = funcol.all_gather_tensor(torch.ones(3, 2), 0, mesh)
+        s = funcol.reduce_scatter_tensor(torch.ones(4, 2), "avg", 0, mesh)
         torch.cat([a.flatten(), g.flatten(), s.flatten()])  # waits on all three
     out["functional"] = counter.as_dicts()
 
@@ -64,7 +65,7 @@ def _plain_and_functional(mesh) -> dict:
         # FSDP2 packs float8 all-gather inputs as uint8 (gloo rejects float8 dtypes)
         shard = torch.arange(6, dtype=torch.uint8)
         gathered = torch.empty(6 * WORLD_SIZE, dtype=torch.uint8)
-        dist.all_gather_single(gathered, shard)
+        all_gather_single(gathered, shard)
         dist.broadcast(torch.zeros(2, dtype=torch.float64), src=0)
         dist.barrier()
     out["uint8_broadcast_barrier"] = counter.as_dicts()

@@ -164,10 +164,10 @@ def test_mm_and_addmm_go_through_scaled_mm(granularity: str, emulate: bool) -> N
     else:
         a, b = _axiswise(a_hp), _axiswise(b_hp).t()  # both scaled along K
         a._emulate = b._emulate = emulate
-    want = a_hp @ b_hp.t()
-    out = torch.mm(a, b)
+    out = torch.mm(
+        a, b
+    )  # its SQNR: tests/unit/test_scaling.py::test_gemm_sqnr_and_real_vs_emulated
     assert type(out) is torch.Tensor and out.dtype == torch.float32
-    assert sqnr_db(want, out) >= SQNR_DB["gemm_e4m3"]
     _same(out, scaled_mm(a, b, out_dtype=torch.float32, emulate=emulate))
     bias = torch.randn(48)
     _same(torch.addmm(bias, a, b), out + bias)

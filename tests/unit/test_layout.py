@@ -5,7 +5,9 @@
 - an if/elif over ScalingType lives only in config.py (the words -> strategies map);
 - no module imports numpy (a scripts-only dependency);
 - the amax reduction (max |x|) is written only in scaling.py (`tensor_amax`, `axis_amax`,
-  `tensor_amaxes`): one choice of reduction op for every cast, precompute and telemetry.
+  `tensor_amaxes`): one choice of reduction op for every cast, precompute and telemetry;
+- torch features are probed only in _compat.py (no version checks), and nothing loops over
+  an Enum class (torch 2.11 dynamo cannot).
 """
 
 from __future__ import annotations
@@ -51,3 +53,18 @@ def test_package_does_not_import_numpy():
         f for f, text in _sources().items() if re.search(r"^\s*(import|from) numpy\b", text, re.M)
     ]
     assert importers == [], importers
+
+
+def test_torch_features_are_probed_only_in_compat():
+    # Support for torch 2.11-2.15 is by feature checks in one place, never by version.
+    pattern = r"torch\.__version__\s*[<>=!]|TorchVersion|version\.parse|_make_nccl_premul_sum\("
+    homes = [f for f, text in _sources().items() if re.search(pattern, text)]
+    assert set(homes) <= {"_compat.py"}, homes
+
+
+def test_no_loop_over_an_enum_class():
+    # dynamo in torch 2.11 cannot iterate an Enum class inside a compiled function: loop
+    # over config.OPERANDS / config.GEMMS instead.
+    pattern = r"\bin (Operand|Gemm|ScalingType|ScalingGranularity)\b(?!\.)"
+    loops = [f for f, text in _sources().items() if re.search(pattern, text)]
+    assert loops == [], loops

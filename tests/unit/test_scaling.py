@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, hp_to_float8, scaled_mm, sqnr_db
+from fsdp_float8._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.config import E4M3, E5M2, Gemm, Operand
+from fsdp_float8.float8_ops import row_scaled_mm_around_unit_gemm
 from fsdp_float8.numerics import SQNR_DB, saturation_fraction, underflow_fraction
 from fsdp_float8.scaling import (
     EPS,
@@ -210,3 +212,34 @@ def test_gemm_pads_inner_dim(emulate: bool) -> None:
     assert sqnr_db(a_hp @ b_hp.t(), out) >= SQNR_DB["gemm_e4m3"]
     unpadded = (a.dequantize()) @ (b.dequantize())
     torch.testing.assert_close(out, unpadded)  # zero padding adds nothing
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2", "any"])
+def test_row_scales_around_a_unit_gemm_equal_the_dequantized_product(power_of_2, out_dtype):
+    # Where CPU torch._scaled_mm takes only 0-d scales (torch 2.11), row scales are applied
+    # around a GEMM with unit scales. Its definition is the dequantized product
+    # (a * inv_a) @ (b * inv_b): with power-of-two scales every scaling is exact, so the
+    # results are equal; otherwise each of the two float32 dot products of length K is
+    # within gamma_K ~ K * eps/2 of exact (plus two roundings of the scalings), so they
+    # differ by at most (K + 2) * eps * (|a_deq| @ |b_deq|) per element.
+    g = torch.Generator().manual_seed(4)
+    rows = torch.logspace(-2, 2, 48).unsqueeze(1)
+    a_hp, b_hp = torch.randn(48, 64, generator=g) * rows, torch.randn(32, 64, generator=g)
+    scale_a = amax_to_scale(axis_amax(a_hp, -1), E4M3, power_of_2=power_of_2)
+    scale_b = amax_to_scale(axis_amax(b_hp, -1), E4M3, power_of_2=power_of_2)
+    a_data = cast_to_float8_data(a_hp, scale_a, E4M3)
+    b_data = cast_to_float8_data(b_hp, scale_b, E4M3).t()
+    inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal().t()
+    got = row_scaled_mm_around_unit_gemm(a_data, b_data, inv_a, inv_b, torch.float32)
+    a_deq, b_deq = a_data.float() * inv_a, b_data.float() * inv_b
+    paths = {"dequantized": a_deq @ b_deq}
+    if cpu_scaled_mm_takes_row_scales():  # torch 2.13+: the native row-scale path too
+        paths["native"] = torch._scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype=torch.float32)
+    eps = torch.finfo(torch.float32).eps
+    bound = 0 if power_of_2 else (64 + 2) * eps * (a_deq.abs() @ b_deq.abs())
+    for name, want in paths.items():
+        assert ((got - want).abs() <= bound).all(), name
+    # out_dtype is one rounding of the float32 result
+    low = row_scaled_mm_around_unit_gemm(a_data, b_data, inv_a, inv_b, out_dtype)
+    assert low.dtype == out_dtype and torch.equal(low, got.to(out_dtype))

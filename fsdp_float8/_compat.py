@@ -1,0 +1,90 @@
+"""What the installed torch can do: the one place that probes torch features (2.11 to 2.15).
+
+Mental model: the package supports a range of torch releases by asking torch, never by
+reading its version. Each difference that matters gets one small function here; callers
+ask the function and do not probe torch themselves. A probe that costs a call runs once,
+at first use, and is cached.
+
+The differences (checked on CPU with torch 2.11.0, 2.13.0 and 2.15.0):
+- CPU ``torch._scaled_mm`` takes row scales ((M, 1) and (1, N)) from 2.13; 2.11 takes only
+  0-d scales (an internal assert otherwise): ``cpu_scaled_mm_takes_row_scales``.
+- ``dist.ReduceOp.PREMUL_SUM(factor)`` is callable and the op has a readable ``.factor``
+  from 2.13; 2.11's FSDP2 builds the op with ``dist._make_nccl_premul_sum`` and its factor
+  cannot be read back: ``premul_sum`` / ``premul_sum_factor``.
+- ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` exist from 2.13; 2.11 has
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (what its FSDP2 calls). Both reach
+  the same dispatcher ops (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``),
+  so ``comm_stats`` counts either: ``all_gather_single`` / ``reduce_scatter_single``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_single",
+    "cpu_scaled_mm_takes_row_scales",
+    "premul_sum",
+    "premul_sum_factor",
+    "reduce_scatter_single",
+]
+
+
+_ROW_SCALES: bool | None = None
+
+
+# assume_constant_result: under torch.compile the probe runs eagerly and its answer is a
+# constant in the graph, not a traced GEMM.
+@torch.compiler.assume_constant_result
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether CPU ``torch._scaled_mm`` accepts (M, 1) / (1, N) float32 scales (one tiny
+    call at first use; the answer is kept)."""
+    global _ROW_SCALES
+    if _ROW_SCALES is None:
+        _ROW_SCALES = _probe_row_scales()
+    return _ROW_SCALES
+
+
+def _probe_row_scales() -> bool:
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(2, 16).to(torch.float8_e4m3fn).t()
+    try:
+        out = torch._scaled_mm(
+            a, b, torch.ones(2, 1), torch.full((1, 2), 2.0), out_dtype=torch.float32
+        )
+    except RuntimeError:  # torch 2.11: "only supports per-tensor scaling for CPU backend"
+        return False
+    return bool((out == 32.0).all())
+
+
+def premul_sum(factor: float | torch.Tensor) -> dist.ReduceOp:
+    """``ReduceOp.PREMUL_SUM`` with ``factor``, built the way this torch builds it."""
+    make = dist.ReduceOp.PREMUL_SUM
+    if callable(make):
+        return make(factor)
+    return dist._make_nccl_premul_sum(factor)
+
+
+def premul_sum_factor(op: dist.ReduceOp) -> float | torch.Tensor | None:
+    """The factor of a ``PREMUL_SUM`` op, or None where this torch does not expose it."""
+    return getattr(op, "factor", None)
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """All-gather ``input`` of every rank into ``output`` (concatenated along dim 0)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Reduce ``input`` over ranks and scatter it: rank r gets chunk r in ``output``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(output, input, op=op, group=group)
