@@ -168,14 +168,6 @@ def test_hsdp_2x2_parity(tmp_path):
             assert fsdp == ref, f"rank {rank} {case.name}:\nfsdp {fsdp}\nref  {ref}"
 
 
-def test_tied_weight_with_float8_all_gather_is_refused():
-    model = build_model(replace(Case(), n_layers=1))
-    model.output.weight = model.tok_embeddings.weight
-    with pytest.raises(ValueError, match="tied") as info:
-        convert_to_float8_training(model, config=float8_config(Case(), all_gather=True))
-    assert "module_filter_fn" in str(info.value)
-
-
 def _convert_after_fully_shard(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 

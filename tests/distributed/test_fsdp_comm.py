@@ -134,9 +134,6 @@ def test_collective_bytes_and_counts(tmp_path):
             assert s["fwd"]["all_gather_bytes"] == exp["blocks"] + exp["root"], case.name
             assert s["bwd"]["all_gather_bytes"] == exp["blocks"] + exp["root"], case.name
             assert s["fwd"]["all_gather"] == n_blocks[case] + 1
-    # float8 weights at 1 byte/element: half of bf16 for the converted weights
-    fp8_ids = _converted_block_bytes(by_case[FP8_AG_BF16], by_case[BF16])
-    assert fp8_ids <= 0.51
 
     # precompute: 1 all-reduce per step (the precompute), none in forward/backward, any depth
     for case in (FP8_AG, FP8_AG_BF16, PRECOMPUTE_8_LAYERS):
@@ -175,9 +172,3 @@ def test_collective_bytes_and_counts(tmp_path):
             0,
             1,
         )
-
-
-def _converted_block_bytes(fp8_run: dict, bf16_run: dict) -> float:
-    """Ratio of block all-gather bytes, float8 vs bf16; blocks hold the converted weights
-    plus two small bf16 norms, so the ratio is a hair above 0.5."""
-    return fp8_run["expected"]["blocks"] / bf16_run["expected"]["blocks"]

@@ -41,7 +41,14 @@ MP_CASES = [
     Case(scaling="dynamic", mp_bf16=True),
     Case(scaling="delayed", mp_bf16=True),
 ]
-MP_RTOL = 2e-2
+# bf16 mixed precision with float8 all-gather: FSDP2 casts the fp32 shard to float8 where
+# the reference casts its bf16 copy (one rounding vs two), so the losses drift apart. The
+# tolerance is measured in the same run: the reference is run again without bf16 (fp32
+# throughout); that spread is what bf16's roundings do to the losses, and FSDP2 removes
+# only some of them (the weights' bf16 rounding before the float8 cast). Allowed:
+# MP_SPREAD_MULTIPLE x the largest relative spread over the run (+ a float32-eps floor).
+# (Measured here: FSDP2 within 1.6e-3 of the reference, the spread up to 1.7e-3.)
+MP_SPREAD_MULTIPLE = 4
 
 
 def _grid(rank: int, world_size: int, cases: list[Case]) -> list[tuple[list, list]]:
@@ -59,14 +66,29 @@ def test_parity_exact_2_ranks(tmp_path):
             assert fsdp[-1] < fsdp[0], f"{case.name} did not train: {fsdp}"
 
 
+def _grid_mp(rank: int, world_size: int, cases: list[Case]) -> list[tuple[list, list, list]]:
+    mesh = cpu_mesh(world_size)
+    return [
+        (
+            train_fsdp(c, mesh, rank, world_size),
+            train_reference(c, rank, world_size),
+            train_reference(replace(c, mp_bf16=False), rank, world_size),
+        )
+        for c in cases
+    ]
+
+
 def test_parity_bf16_mixed_precision_2_ranks(tmp_path):
-    results = run_distributed(_grid, 2, tmp_path, MP_CASES, timeout_s=300)
+    results = run_distributed(_grid_mp, 2, tmp_path, MP_CASES, timeout_s=300)
+    eps = torch.finfo(torch.float32).eps
     for per_case in results:
-        for case, (fsdp, ref) in zip(MP_CASES, per_case, strict=True):
+        for case, (fsdp, ref, fp32) in zip(MP_CASES, per_case, strict=True):
+            spread = max(abs(b - c) / abs(b) for b, c in zip(ref, fp32, strict=True))
+            rel = MP_SPREAD_MULTIPLE * spread + FLOOR_EPS * eps
             for step, (a, b) in enumerate(zip(fsdp, ref, strict=True)):
-                assert a == pytest.approx(b, rel=MP_RTOL), f"{case.name} step {step}: {a} vs {b}"
+                assert a == pytest.approx(b, rel=rel), f"{case.name} step {step}: {a} vs {b}"
     # without float8 all-gather both sides cast the same bf16 weight: exact
-    fsdp, ref = results[0][0]
+    fsdp, ref, _ = results[0][0]
     assert fsdp == ref
 
 

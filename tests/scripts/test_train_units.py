@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import builtins
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from fsdp_float8 import ScalingType
+from fsdp_float8 import Float8LinearConfig, ScalingType
 from scripts import compare
 from scripts.checkpoint import Checkpointer
 from scripts.checkpoint_manifest import MANIFEST
@@ -23,22 +25,18 @@ from scripts.train_log import MetricsFile, format_summary, read_metrics, summary
 def test_defaults_are_the_make_train_run() -> None:
     args = parse_args([])
     config = float8_config(args)
-    assert args.device == "cpu" or args.device == "cuda"
+    assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert args.preset == "tiny" and args.recipe == "tensorwise" and args.precompute
     assert config.enable_fsdp_float8_all_gather
     assert describe(args).startswith("tensorwise/dynamic fp8-all-gather precompute bf16")
 
 
-def test_rowwise_float8_all_gather_is_explicit_and_refusals_are_clear() -> None:
+def test_rowwise_float8_all_gather_is_explicit() -> None:
     config = float8_config(parse_args(["--recipe", "rowwise"]))  # default: no fp8 all-gather
     assert not config.enable_fsdp_float8_all_gather
-    try:  # refused by the config today; the script must then say so, not crash
-        config = float8_config(parse_args(["--recipe", "rowwise", "--fp8-all-gather"]))
-    except SystemExit as err:
-        assert "float8 config refused" in str(err)
-        assert "float8 all-gather is not supported with --recipe rowwise" in str(err)
-    else:  # the package learned rowwise float8 all-gather: the flag must reach the config
-        assert config.enable_fsdp_float8_all_gather
+    config = float8_config(parse_args(["--recipe", "rowwise", "--fp8-all-gather"]))
+    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
+    assert config == replace(rowwise, enable_fsdp_float8_all_gather=True)
 
 
 def test_scaling_flags() -> None:

@@ -77,7 +77,11 @@ def test_stateful_operand_needs_one_scaling_type_for_both_uses() -> None:
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_fsdp_float8_all_gather_works_with_every_recipe(recipe: str) -> None:
-    assert Float8LinearConfig.from_recipe_name(recipe, enable_fsdp_float8_all_gather=True)
+    config = Float8LinearConfig.from_recipe_name(recipe, enable_fsdp_float8_all_gather=True)
+    assert config.enable_fsdp_float8_all_gather
+    assert dataclasses.replace(config, enable_fsdp_float8_all_gather=False) == (
+        Float8LinearConfig.from_recipe_name(recipe)
+    )
 
 
 def test_fsdp_float8_all_gather_refusals() -> None:

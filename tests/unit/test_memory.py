@@ -2,8 +2,9 @@
 
 With `save_input_in_float8=True` the layer keeps its input as float8 data plus a 0-d scale
 instead of the high-precision input: about half of bf16's bytes. The weight (a parameter,
-shared with the optimizer) is not counted. The numerics are unchanged for tensorwise
-scaling: backward casts the same input with the same scale either way.
+shared with the optimizer) is not counted. That the numerics are unchanged (backward casts
+the same input with the same scale either way) is
+tests/unit/test_linear.py::test_save_input_in_float8_same_grads_and_saves_float8.
 """
 
 from __future__ import annotations
@@ -45,17 +46,3 @@ def test_float8_saved_input_halves_activation_memory(dtype):
     assert x.numel() * x.element_size() <= hp_bytes <= x.numel() * x.element_size() + scales
     assert fp8_bytes <= SAVED_RATIO_MAX * hp_bytes * (2 / x.element_size())
     assert x.numel() <= fp8_bytes <= x.numel() + scales  # float8 data + scales
-
-
-def test_float8_saved_input_same_numerics_for_tensorwise():
-    torch.manual_seed(0)
-    base = nn.Linear(64, 32)
-    a = Float8Linear.from_float(base, Float8LinearConfig())
-    x1 = torch.randn(8, 64, requires_grad=True)
-    a(x1).square().sum().backward()
-    g_hp = (x1.grad.clone(), base.weight.grad.clone())
-    base.weight.grad = None
-    b = Float8Linear.from_float(base, Float8LinearConfig(save_input_in_float8=True))
-    x2 = x1.detach().clone().requires_grad_()
-    b(x2).square().sum().backward()
-    assert torch.equal(g_hp[0], x2.grad) and torch.equal(g_hp[1], base.weight.grad)
