@@ -39,6 +39,11 @@ from tests.distributed.launcher import cpu_mesh, run_distributed
 
 CASE = Case(scaling="dynamic")
 DELAYED = Case(scaling="delayed")
+# Resumed on 1 or 4 ranks, each rank's batch slice differs, so the dynamic input scales and
+# with them the float8 roundings differ; the loaded state itself is checked exactly. Not
+# derived from a spread (no reference isolates that effect): measured here up to 1.9e-4
+# relative over the 3 resumed steps, and a loading error moves losses by far more than
+# this bound, which stays below one e4m3 rounding step (2**-4 relative).
 CROSS_WORLD_RTOL = 2e-2
 
 

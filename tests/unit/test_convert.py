@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 import fsdp_float8
-from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig, convert_to_float8_training
+from fsdp_float8 import (
+    CastConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    sqnr_db,
+)
+from fsdp_float8.numerics import SQNR_DB
 from scripts.model import Transformer, model_args
 
 
@@ -90,7 +97,9 @@ def test_converted_outputs_match_the_original() -> None:
     want = model(x)
     got = convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))(x)
     assert want.shape == got.shape and not torch.equal(want, got)  # float8 really ran
-    torch.testing.assert_close(got, want, rtol=0.1, atol=0.1)
+    # the field's bar for a float8 linear output (32 dB measured); the old atol=0.1 sat
+    # just above a measured max error of 0.086
+    assert sqnr_db(want, got) >= SQNR_DB["linear_output"]
 
 
 def test_root_linear_is_converted_and_returned() -> None:
