@@ -129,11 +129,12 @@ def _same(a, b) -> bool:
 
 def test_dcp_save_2_load_2_1_4(tmp_path):
     ckpt, k, n, cases = str(tmp_path / "ckpt"), 3, 6, [CASE, DELAYED]
-    uninterrupted = run_distributed(_save_and_continue, 2, tmp_path / "a", cases, ckpt, k, n)[0]
+    # 300 s per job: ~20 s each when the machine is idle; on 2 loaded cores under torch 2.11
+    # the 4-rank load outlived the launcher's default 120 s once
+    run = lambda *a: run_distributed(*a, timeout_s=300)
+    uninterrupted = run(_save_and_continue, 2, tmp_path / "a", cases, ckpt, k, n)[0]
     for world_size in (2, 1, 4):
-        res = run_distributed(
-            _load_and_continue, world_size, tmp_path / f"w{world_size}", cases, ckpt, k, n
-        )
+        res = run(_load_and_continue, world_size, tmp_path / f"w{world_size}", cases, ckpt, k, n)
         for case, before, per_rank in zip(cases, uninterrupted, zip(*res), strict=True):
             for r in per_rank:
                 assert r["mismatched"] == [], (

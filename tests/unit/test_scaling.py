@@ -82,12 +82,15 @@ def test_amax_equals_abs_max_exactly(hp_dtype) -> None:
 
 
 def test_axiswise_beats_tensorwise_on_uneven_rows() -> None:
-    hp = torch.randn(64, 64) * torch.logspace(-4, 2, 64)[:, None]
-    sq = {
-        name: sqnr_db(hp, _roundtrip(hp, DynamicScaling(granularity=g).scale(hp, -1, E4M3), E4M3))
-        for name, g in (("tensor", Tensorwise()), ("axis", Axiswise()))
-    }
-    assert sq["axis"] > sq["tensor"]
+    # Seeded, and judged by the worst row: the whole-tensor SQNR is set by the largest rows,
+    # which both granularities cast alike (it came out either way depending on the draw).
+    g = torch.Generator().manual_seed(5)
+    hp = torch.randn(64, 64, generator=g) * torch.logspace(-4, 2, 64)[:, None]
+    worst = {}
+    for name, granularity in (("tensor", Tensorwise()), ("axis", Axiswise())):
+        back = _roundtrip(hp, DynamicScaling(granularity=granularity).scale(hp, -1, E4M3), E4M3)
+        worst[name] = min(sqnr_db(h, b) for h, b in zip(hp, back))
+    assert worst["axis"] >= SQNR_DB["cast_e4m3"] > worst["tensor"], worst
     # the small rows underflow under one tensorwise scale
     scale = amax_to_scale(hp.abs().amax(), E4M3)
     assert underflow_fraction(hp, scale, E4M3) > 0.05
