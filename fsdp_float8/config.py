@@ -233,7 +233,7 @@ class Float8LinearConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for operand in Operand:
+        for operand in OPERANDS:
             self._resolve(operand)
         if self.force_recompute_fp8_weight_in_bwd:
             warnings.warn(
