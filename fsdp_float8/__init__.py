@@ -4,7 +4,7 @@ model = convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_
     "tensorwise", enable_fsdp_float8_all_gather=True))
 fully_shard(...)  # per block, then the root
 ...
-optimizer.step(); precompute_float8_dynamic_scale_for_fsdp(model)
+loss.backward(); optimizer.step()  # no float8 call: a hook refreshes scales before forward
 
 Coming from torchao.float8: the same names import from here (see README, "Migrating from
 torchao"). Optional features that lean on private torch APIs (`enable_float8_reduce_scatter`,
@@ -33,6 +33,7 @@ from fsdp_float8.convert import (
     convert_to_float8_training,
     dims_divisible_by_16,
 )
+from fsdp_float8.delayed_state import export_state_dict
 from fsdp_float8.float8_ops import scaled_mm
 from fsdp_float8.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
 from fsdp_float8.fsdp import (
@@ -126,6 +127,7 @@ __all__ = [
     "StaticFloat8Weight",
     "convert_to_float8_training",
     "dims_divisible_by_16",
+    "export_state_dict",
     "hp_to_float8",
     "precompute_float8_dynamic_scale_for_fsdp",
     "scaled_mm",

@@ -53,18 +53,14 @@ GEMM_OPERANDS: dict[Gemm, tuple[Operand, Operand]] = {
     Gemm.GRAD_INPUT: (Operand.GRAD_OUTPUT, Operand.WEIGHT),
     Gemm.GRAD_WEIGHT: (Operand.GRAD_OUTPUT, Operand.INPUT),
 }
-# The GEMM where an operand is used first (its "primary" cast).
-PRIMARY_GEMM: dict[Operand, Gemm] = {
-    Operand.INPUT: Gemm.OUTPUT,
-    Operand.WEIGHT: Gemm.OUTPUT,
-    Operand.GRAD_OUTPUT: Gemm.GRAD_INPUT,
+# Each operand's two GEMMs, in execution order: its "primary" cast (first use) and its
+# second use in backward. Derived from GEMM_OPERANDS, the one spelling of the topology.
+OPERAND_GEMMS: dict[Operand, tuple[Gemm, Gemm]] = {
+    op: tuple(g for g, ops in GEMM_OPERANDS.items() if op in ops)  # type: ignore[misc]
+    for op in OPERANDS
 }
-# Its second use, in backward.
-SECOND_GEMM: dict[Operand, Gemm] = {
-    Operand.INPUT: Gemm.GRAD_WEIGHT,
-    Operand.WEIGHT: Gemm.GRAD_INPUT,
-    Operand.GRAD_OUTPUT: Gemm.GRAD_WEIGHT,
-}
+PRIMARY_GEMM: dict[Operand, Gemm] = {op: gemms[0] for op, gemms in OPERAND_GEMMS.items()}
+SECOND_GEMM: dict[Operand, Gemm] = {op: gemms[1] for op, gemms in OPERAND_GEMMS.items()}
 # The dim of the operand's 2-D form that the GEMM contracts over: input (M, K),
 # weight (N, K), grad_output (M, N). Axiswise scales reduce over this dim.
 CONTRACTION_DIM: dict[tuple[Gemm, Operand], int] = {
@@ -198,6 +194,11 @@ _OPERAND_FIELD = {
     (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): "cast_config_grad_output",
     (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): "cast_config_grad_output_for_grad_weight",
 }
+_WEIGHT_WRAPPER = {
+    ScalingType.DYNAMIC: "DynamicFloat8Weight",
+    ScalingType.DELAYED: "DelayedFloat8Weight",
+    ScalingType.STATIC: "StaticFloat8Weight",
+}
 _DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
 
 
@@ -260,14 +261,14 @@ class Float8LinearConfig:
 
     def _check_second_use(self, operand: Operand) -> None:
         first = self.cast(operand, PRIMARY_GEMM[operand])
-        second = self.cast(operand, self.second_gemm(operand))
+        second = self.cast(operand, SECOND_GEMM[operand])
         stateful = (ScalingType.DELAYED, ScalingType.STATIC)
         if (first.scaling_type in stateful or second.scaling_type in stateful) and (
             second.enabled and first.scaling_type is not second.scaling_type
         ):
             raise ValueError(
                 f"{operand.value} is {first.scaling_type.value} for its first GEMM but "
-                f"{second.scaling_type.value} for {self.second_gemm(operand).value}; "
+                f"{second.scaling_type.value} for {SECOND_GEMM[operand].value}; "
                 "delayed and static scaling keep one scale per operand, so both uses must "
                 "share the scaling type (or disable the second use)"
             )
@@ -317,10 +318,6 @@ class Float8LinearConfig:
                 "which needs input tensorwise with the same dtype for output and grad_weight; "
                 "use the 'tensorwise' recipe or set save_input_in_float8=False"
             )
-
-    @staticmethod
-    def second_gemm(operand: Operand) -> Gemm:
-        return SECOND_GEMM[operand]
 
     def _resolve(self, operand: Operand) -> None:
         """Fill the operand's second-use config and both target dtypes (values filled by
@@ -372,6 +369,14 @@ class Float8LinearConfig:
     def any_float8(self) -> bool:
         """False when every cast is disabled (all three GEMMs in high precision)."""
         return any(self.cast(op, g).enabled for (op, g) in _OPERAND_FIELD)
+
+    def weight_wrapper_class(self) -> type:
+        """The weight wrapper (`fsdp_float8.weight_wrappers`) that makes this config's
+        weight all-gather in float8: the scale source follows the weight's scaling type."""
+        from fsdp_float8 import weight_wrappers  # here: weight_wrappers imports this module
+
+        scaling_type = self.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_type
+        return getattr(weight_wrappers, _WEIGHT_WRAPPER[scaling_type])
 
     def scaling_types(self) -> set[ScalingType]:
         return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.config import Float8LinearConfig
+from fsdp_float8.fsdp import install_refresh_hook
 from fsdp_float8.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -58,7 +59,9 @@ def convert_to_float8_training(
     The filter gets `(module, fully_qualified_name)` (the root's name is ""). Without one,
     linears whose dims are not multiples of 16 are skipped (unless `config.pad_inner_dim`).
     With `config.enable_fsdp_float8_all_gather`, each converted weight is wrapped so that
-    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call).
+    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). A forward pre-hook on
+    the returned model refreshes precomputed weight scales and delayed-scaling state before
+    each forward when an optimizer step made them stale (`fsdp_float8.fsdp.refresh`).
     """
     config = config or Float8LinearConfig()
     _refuse_high_precision_config(config)
@@ -83,6 +86,8 @@ def convert_to_float8_training(
             setattr(swap.parent, swap.name, new)
         report.converted.append(swap.fqn)
     model.float8_conversion_report = report
+    if report.converted:
+        install_refresh_hook(model)  # the float8 step: no float8 call in the training loop
     return model
 
 

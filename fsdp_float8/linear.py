@@ -30,15 +30,10 @@ from fsdp_float8.config import (
     ScalingGranularity,
     ScalingType,
 )
+from fsdp_float8.delayed_state import DelayedScalingState
 from fsdp_float8.float8_ops import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.float8_tensor import Float8Tensor
-from fsdp_float8.scaling import (
-    DelayedScaling,
-    DelayedState,
-    ScalingStrategy,
-    Tensorwise,
-    cast_to_float8_data,
-)
+from fsdp_float8.scaling import ScalingStrategy, Tensorwise, cast_to_float8_data
 from fsdp_float8.weight_wrappers import wrap_weight
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 
@@ -217,11 +212,8 @@ class Float8Linear(nn.Linear):
         if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
             check_float8_gemm_device(self.weight.device, emulate=self.config.emulate)
         self.plan = CastPlan.from_config(self.config)
-        self._forwards_since_sync = 0
-        self.delayed_ready = False  # host-side mirror of fp8_initialized_*, no sync to read
-        self.delayed_weight_ready = False  # the weight alone, seeded by a sync before forward
-        self._register_delayed_buffers()
-        self.register_load_state_dict_post_hook(_refresh_delayed_ready)
+        # before the weight is wrapped: a delayed float8-gathered weight's scale source
+        self.delayed_scaling = DelayedScalingState.for_config(self.config, self.weight.device)
         self.register_load_state_dict_post_hook(_keep_weight_wrapped)
         self._register_state_dict_hook(_plain_weight_in_state_dict)
         self.wrap_weight_for_fsdp()
@@ -236,7 +228,7 @@ class Float8Linear(nn.Linear):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)
         new.weight = mod.weight  # shared, not copied
         new.bias = mod.bias
-        new._register_delayed_buffers(device=mod.weight.device)
+        new.delayed_scaling = DelayedScalingState.for_config(new.config, mod.weight.device)
         new.wrap_weight_for_fsdp()
         return new
 
@@ -269,83 +261,6 @@ class Float8Linear(nn.Linear):
     def scaling_type_grad_output(self) -> ScalingType:
         return self.config.cast_config_grad_output.scaling_type
 
-    def delayed_operands(self) -> list[Operand]:
-        return [
-            op
-            for op in OPERANDS
-            if isinstance(self.plan.strategies[(op, _primary(op))], DelayedScaling)
-        ]
-
-    def _register_delayed_buffers(self, device: torch.device | None = None) -> None:
-        n = self.config.delayed_scaling_config.history_len
-        for op in self.delayed_operands():
-            f32 = {"dtype": torch.float32, "device": device}
-            self.register_buffer(f"fp8_amax_{op.value}", torch.zeros((), **f32))
-            self.register_buffer(f"fp8_amax_history_{op.value}", torch.zeros(n, **f32))
-            self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), **f32))
-            self.register_buffer(
-                f"fp8_initialized_{op.value}", torch.zeros((), dtype=torch.bool, device=device)
-            )
-
-    @property
-    def forwards_since_sync(self) -> int:
-        return self._forwards_since_sync
-
-    def mark_delayed_synced(self) -> None:
-        self._forwards_since_sync = 0
-        self.delayed_ready = self.delayed_weight_ready = True
-
-    def delayed_state(self, op: Operand) -> DelayedState:
-        return DelayedState(
-            amax=getattr(self, f"fp8_amax_{op.value}"),
-            amax_history=getattr(self, f"fp8_amax_history_{op.value}"),
-            scale=getattr(self, f"fp8_scale_{op.value}"),
-            initialized=getattr(self, f"fp8_initialized_{op.value}"),
-        )
-
-    def _apply(self, fn, recurse=True):
-        # delayed-scaling buffers stay float32 through .to(bfloat16) / .half(): take the
-        # device move from fn but the values from the old buffer (a round trip through
-        # bf16 would round the amaxes and scales)
-        saved = {n: b for n, b in self._buffers.items() if n.startswith("fp8_")}
-        out = super()._apply(fn, recurse)
-        for name, old in saved.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
-        if any(old.is_meta and not self._buffers[n].is_meta for n, old in saved.items()):
-            self.reset_delayed_state()  # to_empty() after meta init: fresh, not garbage
-        return out
-
-    @torch.no_grad()
-    def reset_delayed_state(self) -> None:
-        """Delayed-scaling buffers back to their initial values (no history yet)."""
-        for op in self.delayed_operands():
-            state = self.delayed_state(op)
-            state.amax.zero_()
-            state.amax_history.zero_()
-            state.scale.fill_(1.0)
-            state.initialized.fill_(False)
-        self.delayed_ready = self.delayed_weight_ready = False
-        self._forwards_since_sync = 0
-
-    def _states(self) -> dict:
-        states: dict = {op: self.delayed_state(op) for op in self.delayed_operands()}
-        if not (self.training and torch.is_grad_enabled()):
-            # evaluation uses the delayed scales but must not feed their history
-            return {op: s._replace(amax=torch.zeros_like(s.amax)) for op, s in states.items()}
-        if states:
-            self._forwards_since_sync += 1
-            limit = self.config.delayed_scaling_config.max_forwards_without_sync
-            if self._forwards_since_sync > limit:
-                raise RuntimeError(
-                    f"{self._forwards_since_sync} training forwards since the last "
-                    "sync_float8_amax_and_scale_history(model): delayed scales are stale. "
-                    "Call it once after each optimizer step (or raise "
-                    "DelayedScalingConfig.max_forwards_without_sync for long accumulation)"
-                )
-        return states
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.config.enable_fsdp_float8_all_gather:
             _require_float8_weight(self.weight)
@@ -353,8 +268,11 @@ class Float8Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         with torch.autocast(x.device.type, enabled=False):
+            delayed = self.delayed_scaling
+            training = self.training and torch.is_grad_enabled()
+            states = delayed.views(training) if delayed is not None else {}
             out = _Float8LinearFn.apply(
-                x, self.weight, self.plan, self._states(), self.config.save_input_in_float8
+                x, self.weight, self.plan, states, self.config.save_input_in_float8
             )
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
@@ -364,9 +282,9 @@ class Float8Linear(nn.Linear):
         c = self.config
         parts = []
         for op in OPERANDS:
-            first = c.cast(op, _primary(op))
-            second = c.cast(op, c.second_gemm(op))
-            text = f"{_short(first)}:{_dtype_name(c.float8_dtype(op, _primary(op)))}"
+            first = c.cast(op, PRIMARY_GEMM[op])
+            second = c.cast(op, SECOND_GEMM[op])
+            text = f"{_short(first)}:{_dtype_name(c.float8_dtype(op, PRIMARY_GEMM[op]))}"
             if second != first:
                 text += f"/{_short(second)}"
             parts.append(f"{op.value}={text}")
@@ -409,18 +327,6 @@ def _require_float8_weight(weight) -> None:
             "assign weights with load_state_dict (the wrapper is kept) or call "
             "layer.wrap_weight_for_fsdp() after replacing the weight, before fully_shard"
         )
-
-
-def _refresh_delayed_ready(module: Float8Linear, incompatible_keys) -> None:
-    # one host read at load time, so the forward never has to read the flag
-    ops = module.delayed_operands()
-    flags = {op: bool(module.delayed_state(op).initialized) for op in ops}
-    module.delayed_ready = bool(flags) and all(flags.values())
-    module.delayed_weight_ready = flags.get(Operand.WEIGHT, False)
-
-
-def _primary(op: Operand) -> Gemm:
-    return PRIMARY_GEMM[op]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

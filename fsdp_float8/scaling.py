@@ -8,17 +8,20 @@ Granularity says what one scale covers: `Tensorwise` (one 0-d scale) or `Axiswis
 scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts).
 Strategies say where the scale comes from:
 - `DynamicScaling`: from the tensor's own amax, now.
-- `DelayedScaling`: from a history of past amaxes kept in the module's buffers
-  (`DelayedState`); the current amax is recorded for the next sync.
+- `DelayedScaling`: from a history of past amaxes (`fsdp_float8.delayed_state`, the one
+  home of that state); the current amax is recorded for the next sync.
 - `StaticScaling`: a fixed user-given number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from fsdp_float8.delayed_state import DelayedState
 
 EPS = 1e-12
 
@@ -118,15 +121,6 @@ class Axiswise:
         return axis_amax(hp, dim)  # scales carry no gradient
 
 
-class DelayedState(NamedTuple):
-    """What delayed scaling keeps per operand (views of a Float8Linear's buffers)."""
-
-    amax: torch.Tensor  # () float32: max amax seen since the last sync
-    amax_history: torch.Tensor  # (history_len,) float32, most recent first
-    scale: torch.Tensor  # () float32: scale used until the next sync
-    initialized: torch.Tensor  # () bool: a sync has happened
-
-
 class ScalingStrategy(Protocol):
     def scale(
         self,
@@ -149,8 +143,9 @@ class DynamicScaling:
 
 @dataclass(frozen=True)
 class DelayedScaling:
-    """Tensorwise only. Before the first sync there is no history: the operand is scaled by
-    its own amax (as dynamic scaling would), which is recorded like any other."""
+    """Tensorwise only. The scale comes from the layer's `DelayedState` (its buffers and
+    history live in `fsdp_float8.delayed_state`); the current amax is recorded there for the
+    next sync. Before the first sync the operand is scaled by its own amax."""
 
     history_len: int = 16
     scale_fn_name: str = "max"
@@ -159,25 +154,11 @@ class DelayedScaling:
 
     def scale(self, hp, dim, float8_dtype, state=None):
         if state is None:
-            raise ValueError("delayed scaling needs the module's DelayedState; got None")
+            raise ValueError("delayed scaling needs the layer's DelayedState; got None")
         amax = self.granularity.amax(hp.detach(), dim)
-        self.record(state, amax)
+        state.record(amax)
         fresh = amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
         return torch.where(state.initialized, state.scale, fresh)
-
-    @staticmethod
-    def record(state: DelayedState, amax: torch.Tensor) -> None:
-        state.amax.copy_(torch.maximum(state.amax, amax))
-
-    def update(self, state: DelayedState, float8_dtype: torch.dtype) -> None:
-        """Roll the history with the (already cross-rank reduced) amax, refresh the scale."""
-        history = torch.roll(state.amax_history, 1)
-        history[0] = state.amax
-        state.amax_history.copy_(history)
-        source = history.amax() if self.scale_fn_name == "max" else history[0]
-        state.scale.copy_(amax_to_scale(source, float8_dtype, power_of_2=self.power_of_2))
-        state.amax.zero_()
-        state.initialized.fill_(True)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_float8.config import CONTRACTION_DIM, GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, Gemm, Operand
+from fsdp_float8.config import CONTRACTION_DIM, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.linear import CastPlan, Float8Linear
 from fsdp_float8.numerics import out_of_range_fraction, underflow_fraction
@@ -88,7 +88,6 @@ RECORD_FIELDS = (
     "underflow",
 )
 _STATS = ("amax", "scale", "scale_max", "saturation", "underflow")
-_DELAYED_FIELDS = ("amax", "amax_history", "scale", "initialized")  # scaling.DelayedState
 
 
 class Float8NumericsWarning(UserWarning):
@@ -347,8 +346,7 @@ def _observed_casts(plan: CastPlan, all_casts: bool) -> dict[Operand, list[Gemm]
     all_casts) the second unless the layer reuses the first cast for it."""
     out: dict[Operand, list[Gemm]] = {}
     for op in OPERANDS:
-        first = PRIMARY_GEMM[op]
-        second = next(g for g, ops in GEMM_OPERANDS.items() if op in ops and g is not first)
+        first, second = PRIMARY_GEMM[op], SECOND_GEMM[op]
         gemms = [g for g in (first, second) if plan.strategies[(op, g)] is not None]
         if len(gemms) == 2 and (not all_casts or plan.shares_cast(op, first, second)):
             gemms = gemms[:1]
@@ -360,10 +358,8 @@ def _observed_casts(plan: CastPlan, all_casts: bool) -> dict[Operand, list[Gemm]
 def _scratch_state(module: Float8Linear, operand: Operand):
     """A copy of the layer's delayed state (None when the operand is not delayed): the
     strategy computes exactly the layer's scale, and records its amax into the copy."""
-    if operand not in module.delayed_operands():
-        return None
-    state = module.delayed_state(operand)
-    return type(state)(**{f: getattr(state, f).clone() for f in _DELAYED_FIELDS})
+    delayed = module.delayed_scaling
+    return delayed.scratch(operand) if delayed is not None else None
 
 
 def append_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> int:

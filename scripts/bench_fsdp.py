@@ -11,11 +11,13 @@ bf16 parameters and fp32 gradient reduction), and differs only in the float8 set
 
 - `bf16`: no float8.
 - `float8_bf16_ag`: tensorwise float8 GEMMs, weights all-gathered in bf16.
-- `float8_ag`: float8 all-gather; each weight's scale all-reduced in its pre-all-gather.
-- `float8_ag_precompute`: float8 all-gather plus `precompute_float8_dynamic_scale_for_fsdp`
-  after each optimizer step and once before the first forward (one all-reduce per step).
-- `delayed`: delayed scaling for all operands with float8 all-gather,
-  `sync_float8_amax_and_scale_history` after each step (one all-reduce per step).
+- `float8_ag`: float8 all-gather with the float8 refresh hook removed: each weight's scale
+  all-reduced in its pre-all-gather.
+- `float8_ag_precompute`: float8 all-gather; the refresh hook that `convert_to_float8_training`
+  installs precomputes the weight scales before each forward after an optimizer step (one
+  collective per step; the loop calls no float8 function).
+- `delayed`: delayed scaling for all operands with float8 all-gather; the same hook syncs
+  after each step (one collective per step).
 - `torchao_float8_ag_precompute`: torchao's float8 training with its float8 all-gather and
   precompute (only when torchao imports; a dev-only comparison).
 
@@ -61,8 +63,6 @@ from fsdp_float8 import (
     CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
-    precompute_float8_dynamic_scale_for_fsdp,
-    sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.comm_stats import CollectiveCounter
 from scripts.bench_common import (
@@ -163,10 +163,8 @@ def _convert(name: str, model: nn.Module, device: torch.device):
         ao.convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
         return ao.precompute_float8_dynamic_scale_for_fsdp, True
     convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=float8_filter)
-    if name == "delayed":  # a sync before the first forward seeds the weight scales
-        return sync_float8_amax_and_scale_history, True
-    if name.startswith("float8_ag_precompute"):
-        return precompute_float8_dynamic_scale_for_fsdp, True
+    if name == "float8_ag":  # the per-weight fallback, for comparison
+        model._float8_refresh_hook.remove()
     return None, False
 
 

@@ -9,11 +9,11 @@ Run from the repository root:
         -m scripts.train --device cuda --hsdp-replicate 2 ...          # multi-node HSDP
 
 Mental model of one step: fetch this rank's rows of the global batch -> forward/backward
-(FSDP2 all-gathers each block's weights, in float8 for converted linears with
-``--fp8-all-gather``) -> clip gradients -> one all-reduce of the loss and the stop flag, so
-all ranks agree whether to go on -> optimizer and LR step -> the float8 pass that follows an
-optimizer step (precompute the next all-gather's weight scales, or sync delayed-scaling
-histories). Float8 applies to the linears inside the blocks; the embedding, the output head
+(before it, the float8 refresh hook precomputes the all-gather's weight scales and syncs
+delayed-scaling histories in one collective when an optimizer step made them stale; FSDP2
+all-gathers each block's weights, in float8 for converted linears with ``--fp8-all-gather``)
+-> clip gradients -> one all-reduce of the loss and the stop flag, so all ranks agree
+whether to go on -> optimizer and LR step. Float8 applies to the linears inside the blocks; the embedding, the output head
 and anything ``--float8-skip`` names stay in high precision.
 
 Outputs in ``--out``: ``metrics.jsonl`` (one line per step, see ``scripts/train_log.py``),
@@ -42,8 +42,6 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8 import (
     Float8LinearConfig,
     Float8Telemetry,
-    ScalingType,
-    precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.comm_stats import CollectiveCounter
@@ -112,14 +110,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
         self.progress_state = ProgressState()
-        self.delayed = config is not None and ScalingType.DELAYED in config.scaling_types()
-        self.precompute = bool(
-            config is not None
-            and args.precompute
-            and config.enable_fsdp_float8_all_gather
-            and args.recipe == "tensorwise"  # rowwise weight scales are shard-local
-            and args.scaling == "dynamic"
-        )
+        if config is not None and not args.precompute and args.scaling == "dynamic":
+            self.model._float8_refresh_hook.remove()  # measure the per-weight fallback
         self.tokens_per_step = args.global_batch * args.seq_len
         self.flops_per_token = flops_per_token(self.model.args, args.seq_len)
         self.peak_flops = peak_flops(d.device, args.peak_tflops)
@@ -142,6 +134,8 @@ class Trainer:
             return 0
         path = self.resume_point.path
         self.ckpt.load(path, self.state())
+        if self.config is not None:  # as at the save: the step metrics match a run that
+            sync_float8_amax_and_scale_history(self.model)  # did not stop (no first check)
         step = self.progress_state.step
         self.say(f"resumed from {path} at step {step} (world size {self.d.world_size})")
         for change in self.resume_point.changed:
@@ -206,7 +200,6 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.after_optimizer_step()
         if self.d.device.type == "cuda":
             torch.cuda.synchronize(self.d.device)
         seconds = timer.elapsed()
@@ -226,12 +219,6 @@ class Trainer:
         both = torch.stack([loss.detach().float(), loss.new_tensor(flag, dtype=torch.float32)])
         dist.all_reduce(both)  # SUM (gloo has no AVG)
         return both[0].item() / self.d.world_size, both[1].item() > 0
-
-    def after_optimizer_step(self) -> None:
-        if self.delayed:
-            sync_float8_amax_and_scale_history(self.model)
-        elif self.precompute:
-            precompute_float8_dynamic_scale_for_fsdp(self.model)
 
     def record(self, step, loss, grad_norm, seconds, counter) -> dict:
         tokens_per_s = self.tokens_per_step / seconds
@@ -269,6 +256,8 @@ class Trainer:
 
     def save(self, step: int, progress: Progress) -> None:
         timer = Stopwatch()
+        if self.config is not None:  # the refresh is lazy: save reduced delayed amaxes
+            sync_float8_amax_and_scale_history(self.model)
         path = self.ckpt.save(step, self.state(), self.settings)
         progress.message(f"step {step}: saved checkpoint {path} ({timer.elapsed():.1f} s)")
 
@@ -281,10 +270,6 @@ class Trainer:
         if start >= self.args.steps:
             self.say(f"nothing to do: the run in {self.out} is at step {start}/{self.args.steps}")
             return self.finish(start)
-        if self.precompute:
-            precompute_float8_dynamic_scale_for_fsdp(self.model)
-        if self.delayed:  # seeds the weights' delayed scales: no per-weight all-reduce
-            sync_float8_amax_and_scale_history(self.model)
         self.telemetry = None
         if self.config is not None and self.args.numerics_every > 0:
             self.telemetry = Float8Telemetry(

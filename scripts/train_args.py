@@ -96,8 +96,9 @@ def _float8_args(g) -> None:
         "--precompute",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="one batched amax all-reduce per step for the float8 all-gather's weight "
-        "scales (tensorwise dynamic scaling with --fp8-all-gather only)",
+        help="keep the float8 refresh hook: one collective per step for the float8 "
+        "all-gather's weight scales (--no-precompute removes it for dynamic scaling: each "
+        "weight all-reduces its own amax)",
     )
     g.add_argument("--delayed-history", type=POS_INT, default=16, help="amax history length")
     g.add_argument(

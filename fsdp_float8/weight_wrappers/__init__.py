@@ -1,28 +1,26 @@
-"""Weight tensor subclasses whose FSDP2 all-gather sends float8 (see `base`)."""
+"""Weight tensor subclasses whose FSDP2 all-gather sends float8 (see `base`).
+
+`wrap_weight` is the one way a layer's weight becomes a wrapper: the config picks the class
+(`Float8LinearConfig.weight_wrapper_class`), and a delayed weight gets its layer's
+`DelayedScalingState` as its scale source.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from fsdp_float8.config import Float8LinearConfig, Gemm, Operand, ScalingType
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.weight_wrappers.delayed import DelayedFloat8Weight
 from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
 from fsdp_float8.weight_wrappers.static import StaticFloat8Weight
 
-WRAPPER_FOR_SCALING = {
-    ScalingType.DYNAMIC: DynamicFloat8Weight,
-    ScalingType.DELAYED: DelayedFloat8Weight,
-    ScalingType.STATIC: StaticFloat8Weight,
-}
-
 
 def wrap_weight(weight: nn.Parameter, module: nn.Module) -> nn.Parameter:
     """The module's weight as a Parameter whose FSDP2 all-gather is float8."""
-    config: Float8LinearConfig = module.config
-    scaling_type = config.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_type
-    cls = WRAPPER_FOR_SCALING[scaling_type]
-    return nn.Parameter(cls(weight.data, config), requires_grad=weight.requires_grad)
+    wrapper = module.config.weight_wrapper_class()(weight.data, module.config)
+    if isinstance(wrapper, DelayedFloat8Weight):
+        wrapper.scale_source = module.delayed_scaling
+    return nn.Parameter(wrapper, requires_grad=weight.requires_grad)
 
 
 __all__ = [
@@ -30,5 +28,6 @@ __all__ = [
     "DynamicFloat8Weight",
     "DelayedFloat8Weight",
     "StaticFloat8Weight",
+    "plain_weight",
     "wrap_weight",
 ]

@@ -231,7 +231,7 @@ class Float8WeightWrapper(torch.Tensor):
         return self._state.generation
 
     # -- what subclasses decide -------------------------------------------------------
-    def float8_scale(self, mesh, module) -> torch.Tensor:
+    def float8_scale(self, mesh) -> torch.Tensor:
         raise NotImplementedError
 
     # -- FSDP2 hooks ------------------------------------------------------------------
@@ -247,7 +247,7 @@ class Float8WeightWrapper(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
-        scale = self.float8_scale(mesh, module)
+        scale = self.float8_scale(mesh)
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
         if self.rowwise:

@@ -1,30 +1,29 @@
-"""Delayed-scaled weight: the scale is the module's current delayed weight scale.
+"""Delayed-scaled weight: the scale comes from a scale source, its layer's delayed state.
 
-The local shard's amax is recorded into the module's `fp8_amax_weight` buffer; the next
-`sync_float8_amax_and_scale_history` reduces it with every other amax of the model in one
-collective. A sync before the first forward seeds the weight's scale (in that one
-collective); without it, the first step all-reduces each weight's shard amax once so every
-rank casts with the same scale.
+`scale_source` is the layer's `DelayedScalingState` (set by `wrap_weight`): it records the
+local shard's amax for the next sync and returns the synced weight scale, or, before the
+weight was ever seeded, all-reduces the shard amax once so every rank casts alike. The
+wrapper never sees the module.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_float8.amax_sync import all_reduce_amax_
-from fsdp_float8.config import Operand
-from fsdp_float8.scaling import DelayedScaling, amax_to_scale, tensor_amax
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class DelayedFloat8Weight(Float8WeightWrapper):
-    def float8_scale(self, mesh, module) -> torch.Tensor:
-        state = module.delayed_state(Operand.WEIGHT)
-        amax = tensor_amax(self._tensor)
-        DelayedScaling.record(state, amax)
-        if module.delayed_weight_ready:
-            return state.scale.clone()
-        amax = all_reduce_amax_(amax.reshape(1), mesh)[0]
-        return amax_to_scale(
-            amax, self.float8_dtype, power_of_2=self._config.round_scales_to_power_of_2
-        )
+    scale_source = None  # a DelayedScalingState: weight_scale(shard, mesh) -> scale
+
+    def _copy_state_to(self, new) -> None:
+        new.scale_source = self.scale_source
+
+    def float8_scale(self, mesh) -> torch.Tensor:
+        if self.scale_source is None:
+            raise ValueError(
+                "DelayedFloat8Weight has no scale source (its layer's delayed state); build "
+                "float8 all-gather weights with convert_to_float8_training or "
+                "fsdp_float8.weight_wrappers.wrap_weight(weight, layer)"
+            )
+        return self.scale_source.weight_scale(self._tensor, mesh)

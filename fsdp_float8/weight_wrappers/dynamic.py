@@ -28,7 +28,7 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         (host-side integer checks, no device sync)."""
         return self.fresh_stamped_scale() is not None
 
-    def float8_scale(self, mesh, module) -> torch.Tensor:
+    def float8_scale(self, mesh) -> torch.Tensor:
         pow2 = self._config.round_scales_to_power_of_2
         if self.rowwise:  # per output row: the shard has all it needs, no collective
             amax = axis_amax(self._tensor, -1)

@@ -10,6 +10,6 @@ from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class StaticFloat8Weight(Float8WeightWrapper):
-    def float8_scale(self, mesh, module) -> torch.Tensor:
+    def float8_scale(self, mesh) -> torch.Tensor:
         value = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT).static_scale
         return static_scale_tensor(value, self._tensor.device)

@@ -19,7 +19,6 @@ from fsdp_float8 import (
     CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
-    precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
 from scripts.model import Transformer, model_args
@@ -27,10 +26,13 @@ from scripts.model import Transformer, model_args
 
 @dataclass(frozen=True)
 class Case:
-    scaling: str = "dynamic"  # dynamic | delayed | static
+    scaling: str = "dynamic"  # dynamic | delayed | static | mixed (delayed activations)
     recipe: str = "tensorwise"
     fp8_all_gather: bool = True
-    precompute: bool = True  # delayed: a sync before the first forward seeds weight scales
+    # True: the training loops call no float8 function, the converted root's hook refreshes
+    # precomputed weight scales and delayed state; False (dynamic only): that hook removed,
+    # each float8-gathered weight all-reduces its own amax at every all-gather
+    precompute: bool = True
     mp_bf16: bool = False
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
@@ -54,6 +56,9 @@ def float8_config(case: Case, *, all_gather: bool) -> Float8LinearConfig:
         base = Float8LinearConfig(
             cast_config_input=d, cast_config_weight=d, cast_config_grad_output=d
         )
+    elif case.scaling == "mixed":  # delayed input and grad_output, dynamic weight
+        d = CastConfig(scaling_type="delayed")
+        base = Float8LinearConfig(cast_config_input=d, cast_config_grad_output=d)
     elif case.scaling == "static":
         base = Float8LinearConfig(
             cast_config_input=CastConfig(scaling_type="static", static_scale=64.0),
@@ -134,33 +139,34 @@ def shard(model: nn.Module, case: Case, mesh) -> nn.Module:
     return model
 
 
-def after_step(model: nn.Module, case: Case, group) -> None:
-    if case.scaling == "delayed":
-        sync_float8_amax_and_scale_history(model, group=group)
-    elif case.precompute and case.fp8_all_gather:
-        precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def train_fsdp(case: Case, mesh, rank: int, world_size: int, *, counter=None) -> list[float]:
-    model = build_model(case)
-    convert_to_float8_training(
-        model,
-        config=float8_config(case, all_gather=case.fp8_all_gather),
-        module_filter_fn=float8_filter,
+def fsdp_all_gathers(counter) -> int:
+    """All-gathers issued by FSDP2: all but the float8 refresh's float64 one (the first
+    refresh of a model gathers its config fingerprint with the amaxes)."""
+    return sum(
+        1 for r in counter.records if str(r.kind) == "all_gather" and r.dtype != torch.float64
     )
+
+
+def convert(model: nn.Module, case: Case, *, all_gather: bool) -> nn.Module:
+    convert_to_float8_training(
+        model, config=float8_config(case, all_gather=all_gather), module_filter_fn=float8_filter
+    )
+    if not case.precompute:
+        assert case.scaling == "dynamic", "without the refresh hook delayed never syncs"
+        model._float8_refresh_hook.remove()
+    return model
+
+
+def train_fsdp(case: Case, mesh, rank: int, world_size: int) -> list[float]:
+    model = convert(build_model(case), case, all_gather=case.fp8_all_gather)
     shard(model, case, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    if case.precompute and case.fp8_all_gather and case.scaling == "dynamic":
-        precompute_float8_dynamic_scale_for_fsdp(model)
-    if case.scaling == "delayed" and case.precompute:  # seed the weight scales up front
-        sync_float8_amax_and_scale_history(model)
     losses = []
     for step in range(case.steps):
         loss = loss_of(model, case, batch(case, step, rank, world_size))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        after_step(model, case, None)
         losses.append(loss.item())
     return losses
 
@@ -179,13 +185,12 @@ def train_reference(
     # rowwise weights under float8 all-gather re-cast grad_input's weight from the row-cast
     # weight, sharded or not: the reference keeps that config (its weights stay unsharded)
     rowwise_ag = case.fp8_all_gather and case.recipe != "tensorwise"
-    convert_to_float8_training(
-        master, config=float8_config(case, all_gather=rowwise_ag), module_filter_fn=float8_filter
-    )
+    convert(master, case, all_gather=rowwise_ag)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=True)
     work = copy.deepcopy(master).to(torch.bfloat16) if case.mp_bf16 else master
-    if case.scaling == "delayed" and case.precompute:
-        sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
+    # replicated, not sharded: the hook cannot know the group; this first sync names it
+    # (remembered by the automatic refreshes that follow) and seeds the weight scales
+    sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
     losses = []
     for step in range(case.steps):
         if case.mp_bf16:
@@ -200,8 +205,6 @@ def train_reference(
             work.zero_grad()
         opt.step()
         opt.zero_grad()
-        if case.scaling == "delayed":
-            sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
         losses.append(loss.item())
     return losses
 

@@ -125,12 +125,16 @@ def test_bench_fsdp_quick_torchrun(tmp_path):
 
     assert scale_ars("bf16", "per_step") == 0
     assert scale_ars("float8_bf16_ag", "per_step") == 0
-    # precompute: one all-reduce per step, one before the first forward, none per weight
+    # the refresh hook: one all-reduce per step, none before the first forward (the loop
+    # calls nothing) and none per weight; the first step's refresh is the all_gather that
+    # also checks the ranks' configs
     assert [scale_ars("float8_ag_precompute", p) for p in ("init", "first_step", "per_step")] == [
-        1,
-        1,
+        0,
+        0,
         1,
     ]
+    first = res["float8_ag_precompute"]["first_step"]["all_gather_count"]
+    assert first == res["bf16"]["first_step"]["all_gather_count"] + 1
     assert scale_ars("delayed", "per_step") == 1
     # without precompute each weight all-reduces its scale at every all-gather
     assert scale_ars("float8_ag", "per_step") > 1

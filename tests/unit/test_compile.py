@@ -11,14 +11,22 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import nn
 
-from fsdp_float8 import Float8Linear, Float8Tensor, hp_to_float8
+from fsdp_float8 import Float8Linear, Float8Tensor, convert_to_float8_training, hp_to_float8
 from fsdp_float8.config import E4M3
 from fsdp_float8.scaling import amax_to_scale
 from tests.unit.float8_helpers import RECIPES, SCALINGS, make_config
 
-torch._dynamo.config.cache_size_limit = 64
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_caches():
+    # each test compiles Float8Linear.forward for its own config: start from empty caches
+    # so the DEFAULT recompile limit applies (raising it suite-wide would hide recompiles)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _run(module, x):
@@ -83,3 +91,27 @@ def test_inductor_scales_bitwise_equal_to_eager():
     comp = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
     x = torch.randn(4, 64)
     assert torch.equal(eager(x), comp(x))
+
+
+def test_delayed_compiles_one_graph_for_any_number_of_micro_batches():
+    """Delayed scaling counts training forwards on the device, so the compiled forward reads
+    no host counter: gradient accumulation over 4 micro-batches and 3 optimizer steps
+    compile one forward graph, under the default recompile limit."""
+    assert torch._dynamo.config.cache_size_limit == 8  # the default: nothing raised it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32))
+    convert_to_float8_training(model, config=make_config("tensorwise", "delayed"))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for layer in (model[0], model[2]):
+        layer.compile(backend=counter, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    graphs = []
+    for _step in range(3):
+        for _micro_batch in range(4):
+            model(torch.randn(2, 8, 64)).square().mean().backward()
+            graphs.append(counter.frame_count)
+        opt.step()
+        opt.zero_grad()
+    # the two layers differ in shapes: one graph each, all compiled by the first forward
+    assert graphs == [2] * 12, graphs
+    assert model[0].delayed_scaling.syncs == 3  # seed + after each of the first 2 steps

@@ -53,12 +53,12 @@ def test_buffers_are_registered_float32() -> None:
     mod = _layer(history_len=5)
     for op in Operand:
         for kind in BUFFER_KINDS:
-            buf = getattr(mod, f"{kind}{op.value}")
+            buf = getattr(mod.delayed_scaling, f"{kind}{op.value}")
             want = torch.bool if kind == "fp8_initialized_" else torch.float32
             assert buf.dtype == want
-        assert getattr(mod, f"fp8_amax_history_{op.value}").shape == (5,)
-    assert not mod.delayed_ready
-    assert Float8Linear(64, 32).delayed_operands() == []  # dynamic layers have no buffers
+        assert getattr(mod.delayed_scaling, f"fp8_amax_history_{op.value}").shape == (5,)
+    assert not mod.delayed_scaling.ready
+    assert Float8Linear(64, 32).delayed_scaling is None  # dynamic layers have no buffers
     assert not any(n.startswith("fp8_") for n, _ in Float8Linear(64, 32).named_buffers())
 
 
@@ -70,14 +70,20 @@ def test_history_rolls_and_amax_resets() -> None:
         x[0, 0] = a
         _step(mod, x)
     # newest first, the oldest (2.0) rolled out of a history of 3
-    torch.testing.assert_close(mod.fp8_amax_history_input, torch.tensor([1.0, 3.0, 5.0]))
-    assert mod.fp8_amax_input.item() == 0.0  # reset after each sync
-    assert mod.fp8_initialized_input.item() and mod.delayed_ready
-    torch.testing.assert_close(mod.fp8_scale_input, amax_to_scale(torch.tensor(5.0), E4M3))
+    torch.testing.assert_close(
+        mod.delayed_scaling.fp8_amax_history_input, torch.tensor([1.0, 3.0, 5.0])
+    )
+    assert mod.delayed_scaling.fp8_amax_input.item() == 0.0  # reset after each sync
+    assert mod.delayed_scaling.fp8_initialized_input.item() and mod.delayed_scaling.ready
+    torch.testing.assert_close(
+        mod.delayed_scaling.fp8_scale_input, amax_to_scale(torch.tensor(5.0), E4M3)
+    )
     w_amax = mod.weight.detach().abs().amax()
-    torch.testing.assert_close(mod.fp8_amax_history_weight[0], w_amax)
+    torch.testing.assert_close(mod.delayed_scaling.fp8_amax_history_weight[0], w_amax)
     # grad_output of ones: amax 1, scaled for e5m2
-    torch.testing.assert_close(mod.fp8_scale_grad_output, amax_to_scale(torch.tensor(1.0), E5M2))
+    torch.testing.assert_close(
+        mod.delayed_scaling.fp8_scale_grad_output, amax_to_scale(torch.tensor(1.0), E5M2)
+    )
 
 
 @pytest.mark.parametrize("scale_fn, expected_amax", [("max", 4.0), ("most_recent", 1.0)])
@@ -86,7 +92,7 @@ def test_scale_fn(scale_fn: str, expected_amax: float) -> None:
     for a in (4.0, 1.0):
         _step(mod, torch.full((2, 64), a))
     torch.testing.assert_close(
-        mod.fp8_scale_input, amax_to_scale(torch.tensor(expected_amax), E4M3)
+        mod.delayed_scaling.fp8_scale_input, amax_to_scale(torch.tensor(expected_amax), E4M3)
     )
 
 
@@ -102,8 +108,8 @@ def test_before_first_sync_operands_scale_by_their_own_amax() -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=0, atol=0)
     torch.testing.assert_close(delayed.weight.grad, dynamic.weight.grad, rtol=0, atol=0)
-    assert not delayed.fp8_initialized_input.item()
-    assert delayed.fp8_amax_input.item() == pytest.approx(x.abs().amax().item())
+    assert not delayed.delayed_scaling.fp8_initialized_input.item()
+    assert delayed.delayed_scaling.fp8_amax_input.item() == pytest.approx(x.abs().amax().item())
 
 
 def test_after_sync_the_stale_scale_is_used() -> None:
@@ -114,11 +120,20 @@ def test_after_sync_the_stale_scale_is_used() -> None:
     dyn = Float8Linear(64, 32, config=Float8LinearConfig())
     dyn.load_state_dict(mod.state_dict(), strict=False)
     assert not torch.allclose(out, dyn(x), rtol=0.05, atol=0.05)
-    assert mod.fp8_amax_input.item() == pytest.approx(x.abs().amax().item())  # recorded
+    assert mod.delayed_scaling.fp8_amax_input.item() == pytest.approx(
+        x.abs().amax().item()
+    )  # recorded
+
+
+def _converted(**delayed) -> nn.Module:
+    torch.manual_seed(0)
+    return convert_to_float8_training(nn.Sequential(nn.Linear(64, 32)), config=_config(**delayed))
 
 
 def test_forgotten_sync_raises_after_the_limit() -> None:
-    mod = _layer(max_forwards_without_sync=3)
+    # no optimizer step between the forwards: the automatic refresh has nothing to sync,
+    # so the converted root's hook counts them
+    mod = _converted(max_forwards_without_sync=3)
     x = torch.randn(2, 64)
     for _ in range(3):
         _step(mod, x, sync=False)
@@ -131,8 +146,40 @@ def test_forgotten_sync_raises_after_the_limit() -> None:
         _step(mod, x, sync=False)
 
 
+def test_an_optimizer_step_syncs_automatically() -> None:
+    mod = _converted(max_forwards_without_sync=2)
+    opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
+    for i in range(6):  # far past the limit: each step makes the next forward sync
+        _step(mod, torch.randn(2, 64) * (i + 1), sync=False)
+        opt.step()
+    state = mod[0].delayed_scaling
+    assert state.ready and state.syncs == 6  # the weight seed before the first forward, 5 steps
+    assert (state.fp8_amax_history_input[:5] > 0).all()
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_activation_checkpoint_recompute_is_not_a_training_forward() -> None:
+    torch.manual_seed(0)
+    model = convert_to_float8_training(_Checkpointed(), config=_config(max_forwards_without_sync=2))
+    x = torch.randn(2, 64)
+    _step(model, x, sync=False)
+    _step(model, x, sync=False)  # 2 forwards (+ 2 recomputes in backward): at the limit
+    state = model.inner.delayed_scaling
+    assert state.fp8_amax_input.item() == pytest.approx(x.abs().amax().item())
+    with pytest.raises(RuntimeError, match="3 training forwards"):
+        model(x)
+
+
 def test_no_grad_and_eval_forwards_do_not_count() -> None:
-    mod = _layer(max_forwards_without_sync=2)
+    mod = _converted(max_forwards_without_sync=2)
     x = torch.randn(2, 64)
     for _ in range(5):
         with torch.no_grad():
@@ -172,16 +219,16 @@ def test_state_dict_round_trip_with_weights_only_load() -> None:
     mod = _trained()
     state = mod.state_dict()
     for op in Operand:
-        assert all(f"{kind}{op.value}" in state for kind in BUFFER_KINDS)
+        assert all(f"delayed_scaling.{kind}{op.value}" in state for kind in BUFFER_KINDS)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
 
     fresh = _layer(seed=1, history_len=4)
-    assert not fresh.delayed_ready
+    assert not fresh.delayed_scaling.ready
     fresh.load_state_dict(loaded)
-    assert fresh.delayed_ready  # refreshed by the load hook
+    assert fresh.delayed_scaling.ready  # refreshed by the load hook
     for name, value in mod.state_dict().items():
         torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0)
     x = torch.randn(2, 8, 64) * 5
@@ -192,23 +239,23 @@ def test_loading_an_unsynced_state_is_not_ready() -> None:
     unsynced = _layer(seed=2, history_len=4)
     _step(unsynced, torch.randn(2, 64), sync=False)
     fresh = _trained()
-    assert fresh.delayed_ready
+    assert fresh.delayed_scaling.ready
     fresh.load_state_dict(unsynced.state_dict())
-    assert not fresh.delayed_ready
+    assert not fresh.delayed_scaling.ready
 
 
 def test_buffers_stay_float32_after_to_bfloat16() -> None:
     mod = _trained()
-    scale_before = mod.fp8_scale_input.clone()
+    scale_before = mod.delayed_scaling.fp8_scale_input.clone()
     model = nn.Sequential(mod).to(torch.bfloat16)
     assert mod.weight.dtype == torch.bfloat16
     for name, buf in mod.named_buffers():
-        want = torch.bool if name.startswith("fp8_initialized_") else torch.float32
+        want = torch.bool if "fp8_initialized_" in name else torch.float32
         assert buf.dtype == want, name
-    torch.testing.assert_close(mod.fp8_scale_input, scale_before, rtol=0, atol=0)
+    torch.testing.assert_close(mod.delayed_scaling.fp8_scale_input, scale_before, rtol=0, atol=0)
     out = _step(model, torch.randn(2, 8, 64, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert mod.fp8_amax_history_input.dtype == torch.float32
+    assert mod.delayed_scaling.fp8_amax_history_input.dtype == torch.float32
 
 
 def test_sync_counts_every_delayed_operand_of_every_layer() -> None:
@@ -217,14 +264,14 @@ def test_sync_counts_every_delayed_operand_of_every_layer() -> None:
     model(torch.randn(2, 64)).sum().backward()
     # 3 operands of layer 0, none of the dynamic layer, the weight of the rowwise one
     assert sync_float8_amax_and_scale_history(model) == 3 + 1
-    assert model[0].delayed_ready and model[3].delayed_ready
+    assert model[0].delayed_scaling.ready and model[3].delayed_scaling.ready
 
 
 def test_warm_up_helper_makes_delayed_ready() -> None:
     mod = make_linear(make_config("tensorwise", "delayed"))
     warm_up(mod, steps=2)
-    assert mod.delayed_ready and (mod.fp8_amax_history_input[:2] > 0).all()
-    assert mod.fp8_amax_history_input[2:].eq(0).all()
+    assert mod.delayed_scaling.ready and (mod.delayed_scaling.fp8_amax_history_input[:2] > 0).all()
+    assert mod.delayed_scaling.fp8_amax_history_input[2:].eq(0).all()
 
 
 def test_meta_init_then_to_empty_gives_fresh_delayed_buffers() -> None:
@@ -234,8 +281,8 @@ def test_meta_init_then_to_empty_gives_fresh_delayed_buffers() -> None:
     convert_to_float8_training(model, config=config)
     model.to_empty(device="cpu")
     layer = model[0]
-    for op in layer.delayed_operands():
-        state = layer.delayed_state(op)
+    for op in layer.delayed_scaling.operands:
+        state = layer.delayed_scaling.view(op)
         assert state.amax.item() == 0 and not state.initialized.item()
         assert torch.equal(state.amax_history, torch.zeros_like(state.amax_history))
         assert state.scale.item() == 1.0
@@ -244,14 +291,17 @@ def test_meta_init_then_to_empty_gives_fresh_delayed_buffers() -> None:
 def test_sync_before_the_first_forward_seeds_only_the_weight() -> None:
     mod = _layer()
     before = {n: b.clone() for n, b in mod.named_buffers()}
-    assert sync_float8_amax_and_scale_history(mod) == 1  # the weight; no activation amax yet
-    assert mod.delayed_weight_ready and not mod.delayed_ready
-    weight = mod.delayed_state(Operand.WEIGHT)
+    assert sync_float8_amax_and_scale_history(mod) == 3  # reduced; only the weight is seeded
+    assert mod.delayed_scaling.weight_ready and not mod.delayed_scaling.ready
+    weight = mod.delayed_scaling.view(Operand.WEIGHT)
     expected = amax_to_scale(mod.weight.detach().abs().amax().float(), E4M3)
     assert torch.equal(weight.scale, expected) and bool(weight.initialized)
     for name, buf in mod.named_buffers():
         if not name.endswith("_weight"):
             assert torch.equal(buf, before[name]), name
-    assert sync_float8_amax_and_scale_history(mod) == 0  # seeded once
+    seeded = {n: b.clone() for n, b in mod.named_buffers()}
+    sync_float8_amax_and_scale_history(mod)  # idempotent: no forward since, nothing rolls
+    for name, buf in mod.named_buffers():
+        assert torch.equal(buf, seeded[name]), name
     _step(mod, torch.randn(2, 64))  # a normal step after it
-    assert mod.delayed_ready and bool(mod.delayed_state(Operand.INPUT).initialized)
+    assert mod.delayed_scaling.ready and bool(mod.delayed_scaling.view(Operand.INPUT).initialized)

@@ -2,7 +2,11 @@
 
 - `all_reduce` is called only by amax_sync.py (comm_stats only names ops it counts);
 - FSDP2's all-gather hooks are defined only under weight_wrappers/;
-- an if/elif over ScalingType lives only in config.py (the words -> strategies map);
+- ScalingType words (if/elif, dict keys, any `ScalingType.X`) live only in config.py (the
+  words -> strategies and words -> weight wrappers maps);
+- the operand/GEMM topology (`Operand.X: Gemm.Y` tables) is spelled only in config.py;
+- delayed-scaling state (its buffers and host flags) lives only in delayed_state.py;
+- the post-optimizer refresh (precomputed weight scales, delayed syncs) only in fsdp.py;
 - no module imports numpy (a scripts-only dependency);
 - the amax reduction (max |x|) is written only in scaling.py (`tensor_amax`, `axis_amax`,
   `tensor_amaxes`): one choice of reduction op for every cast, precompute and telemetry;
@@ -68,3 +72,29 @@ def test_no_loop_over_an_enum_class():
     pattern = r"\bin (Operand|Gemm|ScalingType|ScalingGranularity)\b(?!\.)"
     loops = [f for f, text in _sources().items() if re.search(pattern, text)]
     assert loops == [], loops
+
+
+def _homes(pattern: str) -> set[str]:
+    return {f for f, text in _sources().items() if re.search(pattern, text)}
+
+
+def test_scaling_type_words_only_in_config():
+    # catches dict dispatch ({ScalingType.DYNAMIC: ...}) and comparisons, not only if/elif
+    assert _homes(r"ScalingType\.[A-Z]") <= {"config.py"}
+
+
+def test_operand_gemm_topology_only_in_config():
+    assert _homes(r"Operand\.\w+\s*:\s*\(?Gemm\.") <= {"config.py"}
+    assert _homes(r"g is not first|\bsecond_gemm\(") == set()
+
+
+def test_delayed_state_lives_in_one_module():
+    buffers = _homes(r"register_buffer\(\s*f?[\"']fp8_")
+    flags = _homes(r"\b(weight_ready|synced_step|syncs|sync_group|forwards_since_sync)\s*=[^=]")
+    assert buffers == {"delayed_state.py"}, buffers
+    assert flags <= {"delayed_state.py"}, flags
+
+
+def test_post_optimizer_refresh_lives_in_fsdp():
+    homes = _homes(r"\.(set_precomputed_scale|apply_reduced|slots)\(")
+    assert homes == {"fsdp.py"}, homes

@@ -43,7 +43,7 @@ def test_linear_sqnr(recipe: str, scaling: str, emulate: bool, dtype: torch.dtyp
     mod = make_linear(make_config(recipe, scaling, emulate=emulate), dtype)
     if scaling == "delayed":
         warm_up(mod)
-        assert mod.delayed_ready
+        assert mod.delayed_scaling.ready
     x, grad_output = make_batch(dtype, seed=7)
     got = run_linear(mod, x, grad_output)
     assert got[0].shape == (*x.shape[:-1], mod.out_features)
@@ -53,9 +53,13 @@ def test_linear_sqnr(recipe: str, scaling: str, emulate: bool, dtype: torch.dtyp
 
 def test_grid_really_uses_the_requested_scaling() -> None:
     """Guards the grid above: delayed configs create state, static ones use the given scale."""
-    assert make_linear(make_config("tensorwise", "delayed")).delayed_operands() == list(Operand)
+    assert make_linear(make_config("tensorwise", "delayed")).delayed_scaling.operands == tuple(
+        Operand
+    )
     for recipe in ("rowwise", "rowwise_with_gw_hp"):
-        assert make_linear(make_config(recipe, "delayed")).delayed_operands() == [Operand.WEIGHT]
+        assert make_linear(make_config(recipe, "delayed")).delayed_scaling.operands == (
+            Operand.WEIGHT,
+        )
     # a static weight scale 1000x too large saturates and must wreck the output
     bad = make_config("tensorwise", "static")
     w_cfg = bad.cast_config_weight

@@ -35,8 +35,8 @@ class _Ops(TorchDispatchMode):
 def test_static_scales_are_one_cached_tensor():
     layer = Float8Linear(32, 32, config=CONFIG)
     weight = layer.weight
-    first = weight.float8_scale(None, layer)
-    assert weight.float8_scale(None, layer) is first  # the all-gather's weight scale
+    first = weight.float8_scale(None)
+    assert weight.float8_scale(None) is first  # the all-gather's weight scale
     strategy = layer.plan.strategies[next(iter(layer.plan.strategies))]
     x = torch.randn(4, 32)
     assert strategy.scale(x, -1, torch.float8_e4m3fn) is strategy.scale(x, -1, torch.float8_e4m3fn)

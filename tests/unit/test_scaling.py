@@ -9,6 +9,7 @@ import torch
 from fsdp_float8 import Float8Linear, Float8LinearConfig, hp_to_float8, scaled_mm, sqnr_db
 from fsdp_float8._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.config import E4M3, E5M2, Gemm, Operand
+from fsdp_float8.delayed_state import DelayedState
 from fsdp_float8.float8_ops import row_scaled_mm_around_unit_gemm
 from fsdp_float8.numerics import SQNR_DB, saturation_fraction, underflow_fraction
 from fsdp_float8.scaling import (
@@ -126,21 +127,12 @@ def test_rowwise_recipe_scales_are_powers_of_two() -> None:
         assert scale.shape == (16, 1)
         assert (torch.frexp(scale).mantissa == 0.5).all()
     delayed = DelayedScaling(power_of_2=True)
-    state = _delayed_state()
-    delayed.record(state, torch.tensor(3.3))
-    delayed.update(state, E4M3)
-    assert torch.frexp(state.scale).mantissa == 0.5
-
-
-def _delayed_state(history_len: int = 4):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        amax=torch.zeros(()),
-        amax_history=torch.zeros(history_len),
-        scale=torch.ones(()),
-        initialized=torch.zeros((), dtype=torch.bool),
+    state = DelayedState(
+        torch.zeros(()), torch.zeros(4), torch.ones(()), torch.zeros((), dtype=torch.bool)
     )
+    state.record(torch.tensor(3.3))
+    state.roll(state.amax.clone(), delayed, E4M3)
+    assert torch.frexp(state.scale).mantissa == 0.5
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)

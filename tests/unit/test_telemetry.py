@@ -254,7 +254,7 @@ def test_delayed_uses_module_scale_and_leaves_state_untouched():
             dtype = E4M3 if op != "grad_output" else torch.float8_e5m2
             assert r["scale"] == amax_to_scale(torch.tensor(r["amax"]), dtype).item()
         else:
-            assert r["scale"] == scales[step][f"{layer}.fp8_scale_{op}"].item()
+            assert r["scale"] == scales[step][f"{layer}.delayed_scaling.fp8_scale_{op}"].item()
 
 
 def test_fsdp2_float8_all_gather_weight_uses_sharded_hp(tmp_path):

@@ -82,7 +82,7 @@ def test_mutation_invalidates_precomputed_scale(path):
     w = _weight(model)
     assert not w.has_fresh_precomputed_scale(), path
     fresh = amax_to_scale(tensor_amax(w._tensor), E4M3)
-    assert torch.equal(w.float8_scale(None, model[0]), fresh), path
+    assert torch.equal(w.float8_scale(None), fresh), path
 
 
 def test_aliases_share_state_and_same_value_copies_stay_fresh():
@@ -123,7 +123,7 @@ def test_meta_init_precompute_to_empty_and_load():
     w = _weight(model)
     assert not w.has_fresh_precomputed_scale()
     fresh = amax_to_scale(tensor_amax(real[0].weight._tensor), E4M3)
-    assert torch.equal(w.float8_scale(None, model[0]), fresh)
+    assert torch.equal(w.float8_scale(None), fresh)
 
 
 def test_aliases_made_per_forward_do_not_pile_up():

@@ -1,0 +1,91 @@
+"""The float8 step is the library's: a training loop that calls no float8 function.
+
+`convert_to_float8_training` installs a root forward pre-hook that refreshes, in one
+collective, what the optimizer step made stale (precomputed scales of dynamic float8-gathered
+weights, delayed-scaling syncs). Measured on 2 gloo ranks, every step (step 0 included):
+- collectives per step <= bf16's + 1, for dynamic tensorwise, delayed, and a mixed model
+  (delayed activations, dynamic float8-gathered weights);
+- losses equal, bit for bit, to the same training with the explicit calls
+  (`precompute_float8_dynamic_scale_for_fsdp` / `sync_float8_amax_and_scale_history`
+  before the first forward and after each optimizer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from fsdp_float8 import (
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+    sync_float8_amax_and_scale_history,
+)
+from fsdp_float8.comm_stats import CollectiveCounter
+from tests.distributed.float8_cases import (
+    Case,
+    batch,
+    build_model,
+    float8_config,
+    float8_filter,
+    loss_of,
+    shard,
+)
+from tests.distributed.launcher import cpu_mesh, run_distributed
+
+BASE = Case(steps=4)
+CASES = [
+    replace(BASE, recipe="off", fp8_all_gather=False),  # bf16 baseline
+    BASE,  # dynamic tensorwise, float8 all-gather
+    replace(BASE, scaling="delayed"),
+    replace(BASE, scaling="mixed"),
+]
+
+
+def _explicit_refresh(model, case: Case) -> None:
+    """What a training loop had to call before: the pass(es) its layers need."""
+    if case.scaling in ("dynamic", "mixed"):
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    if case.scaling in ("delayed", "mixed"):
+        sync_float8_amax_and_scale_history(model)
+
+
+def _train(case: Case, mesh, rank: int, world_size: int, explicit: bool):
+    model = build_model(case)
+    if case.recipe != "off":
+        config = float8_config(case, all_gather=case.fp8_all_gather)
+        convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
+    shard(model, case, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    if explicit:
+        _explicit_refresh(model, case)
+    losses, counts = [], []
+    for step in range(case.steps):
+        with CollectiveCounter() as counter:
+            loss = loss_of(model, case, batch(case, step, rank, world_size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if explicit:
+                _explicit_refresh(model, case)
+        losses.append(loss.item())
+        counts.append(counter.count())
+    return losses, counts
+
+
+def _grid(rank, world_size, cases):
+    mesh = cpu_mesh(world_size)
+    return [
+        (_train(c, mesh, rank, world_size, False), _train(c, mesh, rank, world_size, True)[0])
+        for c in cases
+    ]
+
+
+def test_no_float8_call_in_the_loop(tmp_path):
+    results = run_distributed(_grid, 2, tmp_path, CASES, timeout_s=300)
+    for per_rank in results:
+        (_, bf16_counts), _ = per_rank[0]
+        for case, ((losses, counts), explicit_losses) in zip(CASES[1:], per_rank[1:]):
+            assert losses == explicit_losses, case.scaling
+            extra = [c - b for c, b in zip(counts, bf16_counts, strict=True)]
+            assert max(extra) <= 1, (case.scaling, counts, bf16_counts)

@@ -1,0 +1,140 @@
+"""Ranks that disagree get an error on every rank, never a hang or silently wrong training.
+
+On 2 gloo ranks, each case makes rank 1 differ from rank 0 and runs one training step with
+no float8 call in the loop; the first refresh (the converted root's forward pre-hook)
+gathers a fixed-length config fingerprint and raises a ValueError naming the field and the
+ranks. A short per-test timeout turns a hang (what the old code did) into a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_float8 import (
+    CastConfig,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+    sync_float8_amax_and_scale_history,
+)
+from tests.distributed.float8_cases import Case, batch, build_model, loss_of, shard
+from tests.distributed.launcher import cpu_mesh, run_distributed
+
+MLP = Case(model="mlp", n_layers=1, dim=64)
+TENSORWISE = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
+ROWWISE = Float8LinearConfig.rowwise(enable_fsdp_float8_all_gather=True)
+DELAYED = Float8LinearConfig(
+    cast_config_input=CastConfig(scaling_type="delayed"),
+    cast_config_weight=CastConfig(scaling_type="delayed"),
+    cast_config_grad_output=CastConfig(scaling_type="delayed"),
+    enable_fsdp_float8_all_gather=True,
+)
+
+
+def _static(weight_scale: float) -> Float8LinearConfig:
+    s = CastConfig(scaling_type="static", static_scale=64.0)
+    return Float8LinearConfig(
+        cast_config_input=s,
+        cast_config_weight=CastConfig(scaling_type="static", static_scale=weight_scale),
+        cast_config_grad_output=CastConfig(scaling_type="static", static_scale=2.0**20),
+        enable_fsdp_float8_all_gather=True,
+    )
+
+
+# name -> (rank 0's config, rank 1's config, a field the error must name)
+DISAGREE = {
+    "recipe": (TENSORWISE, ROWWISE, "cast_config_input"),
+    "scaling_type": (TENSORWISE, DELAYED, "cast_config_weight"),
+    "fp8_all_gather_on_one_rank": (
+        TENSORWISE,
+        replace(TENSORWISE, enable_fsdp_float8_all_gather=False),
+        "enable_fsdp_float8_all_gather",
+    ),
+    "static_scale": (_static(2048.0), _static(1024.0), "cast_config_weight"),
+}
+
+
+def _one_step(rank, world_size, config):
+    model = build_model(MLP)
+    convert_to_float8_training(model, config=config)
+    shard(model, MLP, cpu_mesh(world_size))
+    loss_of(model, MLP, batch(MLP, 0, rank, world_size)).backward()
+    return model
+
+
+def _disagreeing_configs(rank, world_size):
+    out = {}
+    for name, configs in DISAGREE.items():
+        try:
+            _one_step(rank, world_size, configs[rank])
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_different_configs_raise_on_every_rank(tmp_path):
+    results = run_distributed(_disagreeing_configs, 2, tmp_path, timeout_s=90)
+    for rank, messages in enumerate(results):
+        for name, (_, _, field) in DISAGREE.items():
+            msg = messages[name]
+            assert msg is not None, f"rank {rank}: {name} trained on"
+            assert f"{field}: ranks [0] vs [1]" in msg, (rank, name, msg)
+            assert "same Float8LinearConfig" in msg
+
+
+class _Branchy(nn.Module):
+    """Two delayed layers; `skip` leaves the second out of the forward (on one rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x, skip: bool = False):
+        x = self.a(x)
+        return x if skip else self.b(x)
+
+
+def _skipped_layer(rank, world_size):
+    torch.manual_seed(0)
+    config = replace(DELAYED, enable_fsdp_float8_all_gather=False)
+    model = convert_to_float8_training(_Branchy(), config=config)
+    sync_float8_amax_and_scale_history(model, group=dist.group.WORLD)  # seed; remembered
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 32), skip=rank == 1).sum().backward()
+    opt.step()
+    try:
+        model(torch.randn(4, 32))  # the hook's sync finds layer b ran on rank 0 only
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_that_skipped_a_layer_gets_an_error(tmp_path):
+    for rank, msg in enumerate(run_distributed(_skipped_layer, 2, tmp_path, timeout_s=60)):
+        assert msg is not None and "['b']" in msg and "some ranks but not" in msg, (rank, msg)
+
+
+def _precompute_on_rank_0_only(rank, world_size):
+    model = _one_step(rank, world_size, TENSORWISE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    if rank == 0:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    loss = loss_of(model, MLP, batch(MLP, 1, rank, world_size))  # rank 1's hook matches it
+    loss.backward()
+    scales = [
+        m.weight._local_tensor.fresh_stamped_scale().item()
+        for m in model.modules()
+        if hasattr(m, "weight") and hasattr(m.weight, "_local_tensor")
+    ]
+    return loss.item(), scales
+
+
+def test_precompute_on_one_rank_only_is_matched_by_the_hook(tmp_path):
+    r0, r1 = run_distributed(_precompute_on_rank_0_only, 2, tmp_path, timeout_s=60)
+    assert r0[1] == r1[1] and len(r0[1]) == 2 * MLP.n_layers
