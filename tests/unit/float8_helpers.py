@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_float8 import (
     CastConfig,
@@ -118,3 +119,15 @@ def linear_sqnrs(mod: Float8Linear, x: torch.Tensor, grad_output: torch.Tensor):
     want = reference(mod, x, grad_output)
     names = ("output", "grad_input", "grad_weight")
     return {n: sqnr_db(w, g) for n, w, g in zip(names, want, got)}, got
+
+
+class OpLog(TorchDispatchMode):
+    """Records every aten op that runs under it, in order (`.ops`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig, Float8ReduceScatter
 from fsdp_float8.reduce_scatter import dequantize_blocks
+from tests.unit.float8_helpers import OpLog
 
 aten = torch.ops.aten
 STATIC = CastConfig(scaling_type="static", static_scale=64.0)
@@ -22,16 +22,6 @@ CONFIG = Float8LinearConfig(
 )
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def test_static_scales_are_one_cached_tensor():
     layer = Float8Linear(32, 32, config=CONFIG)
     weight = layer.weight
@@ -41,7 +31,7 @@ def test_static_scales_are_one_cached_tensor():
     x = torch.randn(4, 32)
     assert strategy.scale(x, -1, torch.float8_e4m3fn) is strategy.scale(x, -1, torch.float8_e4m3fn)
     assert float(first) == 64.0
-    with _Ops() as mode:
+    with OpLog() as mode:
         layer(x).sum().backward()
     assert aten.lift_fresh.default not in mode.ops  # no torch.tensor(python value) per cast
 
@@ -53,7 +43,7 @@ def test_reduce_scatter_selects_chunks_without_an_index_tensor(monkeypatch):
     monkeypatch.setattr(dist, "all_to_all_single", fake_all_to_all)
     comm = Float8ReduceScatter(block_size=8)
     chunks = torch.randn(3, 20)
-    with _Ops() as mode:
+    with OpLog() as mode:
         received = comm._exchange(chunks, None, rank=1)
     assert aten.index.Tensor not in mode.ops
     got = dequantize_blocks(received, 20, block_size=8, float8_dtype=torch.float8_e4m3fn)

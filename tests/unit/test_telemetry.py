@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_float8 import (
@@ -36,6 +35,7 @@ from fsdp_float8.telemetry import (
     Float8Telemetry,
     append_jsonl,
 )
+from tests.unit.float8_helpers import OpLog
 
 DIM = 16
 # Below half the smallest subnormal, so they round to zero: e4m3fn 2^-9, e5m2 2^-16.
@@ -142,7 +142,7 @@ def test_samples_every_n_and_launches_nothing_between(monkeypatch):
 
     # A non-sampled step runs exactly the ops it runs without telemetry.
     def ops_of_step() -> list:
-        with _OpLog() as log:
+        with OpLog() as log:
             _train_step(model, 99)
         return log.ops
 
@@ -150,16 +150,6 @@ def test_samples_every_n_and_launches_nothing_between(monkeypatch):
     with_telemetry = ops_of_step()
     tel.remove()
     assert with_telemetry == ops_of_step()
-
-
-class _OpLog(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 def test_checkpoint_recompute_is_not_recorded_twice():
