@@ -12,7 +12,6 @@ Field names follow the ones torchao users know, so switching is a change of impo
 from __future__ import annotations
 
 import enum
-import math
 import warnings
 from dataclasses import KW_ONLY, dataclass, field, replace
 
@@ -108,7 +107,8 @@ class CastConfig:
             )
         static = self.scaling_type is ScalingType.STATIC
         if static:
-            self._check_static_scale()
+            dtypes = (self.target_dtype,) if self.target_dtype else (E4M3, E5M2)
+            scaling.check_static_scale(self.static_scale, dtypes)
         if not static and self.static_scale is not None:
             raise ValueError(
                 f"static_scale={self.static_scale} is only used with scaling_type=static, "
@@ -120,28 +120,6 @@ class CastConfig:
                 f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
                 "per operand), got scaling_granularity=axiswise; use dynamic axiswise scaling "
                 "or tensorwise granularity"
-            )
-
-    def _check_static_scale(self) -> None:
-        scale = self.static_scale
-        if scale is None or not scale > 0 or not math.isfinite(scale):
-            raise ValueError(
-                f"static scaling needs a finite static_scale > 0, got {scale!r}; pass "
-                "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
-            )
-        # hp * scale lands in float8 range; fp8_max / scale (the largest hp value the cast
-        # keeps) must be a finite float32 and 1 / scale (what the GEMM multiplies by) must
-        # not underflow float32, or outputs come out NaN or all zero
-        f32 = torch.finfo(torch.float32)
-        dtypes = (self.target_dtype,) if self.target_dtype else (E4M3, E5M2)
-        lo = max(scaling.float8_max(d) for d in dtypes) / f32.max
-        hi = 1 / f32.tiny
-        if not lo <= scale <= hi:
-            raise ValueError(
-                f"static_scale={scale!r} is outside [{lo:.3g}, {hi:.3g}]: fp8_max / "
-                "static_scale must be a finite float32 and 1 / static_scale must not "
-                "underflow. The scale multiplies values into float8 range: pass fp8_max / "
-                "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
             )
 
     @property

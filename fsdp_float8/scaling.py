@@ -15,6 +15,7 @@ Strategies say where the scale comes from:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -159,6 +160,27 @@ class DelayedScaling:
         state.record(amax)
         fresh = amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
         return torch.where(state.initialized, state.scale, fresh)
+
+
+def check_static_scale(scale: float | None, dtypes: tuple[torch.dtype, ...]) -> None:
+    """A user-given static scale must be finite and > 0, with fp8_max / scale (the largest
+    hp value the cast keeps) a finite float32 and 1 / scale (what the GEMM multiplies by)
+    not underflowing float32, or outputs come out NaN or all zero."""
+    if scale is None or not scale > 0 or not math.isfinite(scale):
+        raise ValueError(
+            f"static scaling needs a finite static_scale > 0, got {scale!r}; pass "
+            "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
+        )
+    f32 = torch.finfo(torch.float32)
+    lo = max(float8_max(d) for d in dtypes) / f32.max
+    hi = 1 / f32.tiny
+    if not lo <= scale <= hi:
+        raise ValueError(
+            f"static_scale={scale!r} is outside [{lo:.3g}, {hi:.3g}]: fp8_max / "
+            "static_scale must be a finite float32 and 1 / static_scale must not "
+            "underflow. The scale multiplies values into float8 range: pass fp8_max / "
+            "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
+        )
 
 
 @dataclass(frozen=True)
