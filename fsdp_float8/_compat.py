@@ -15,6 +15,10 @@ The differences (checked on CPU with torch 2.11.0, 2.13.0 and 2.15.0):
   ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (what its FSDP2 calls). Both reach
   the same dispatcher ops (``c10d::_allgather_base_``, ``c10d::_reduce_scatter_base_``),
   so ``comm_stats`` counts either: ``all_gather_single`` / ``reduce_scatter_single``.
+- ``torch._grouped_mm`` (2-D x 3-D and 2-D x 2-D with offsets) runs on CPU in float32 in
+  2.13; where it is missing or refuses CPU the emulated grouped GEMM loops over experts:
+  ``grouped_mm_available``. ``torch._scaled_grouped_mm`` (float8, CUDA SM90+) is asked for by
+  ``scaled_grouped_mm_available``.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_single",
     "cpu_scaled_mm_takes_row_scales",
+    "grouped_mm_available",
     "premul_sum",
     "premul_sum_factor",
     "reduce_scatter_single",
+    "scaled_grouped_mm_available",
 ]
 
 
@@ -56,6 +62,40 @@ def _probe_row_scales() -> bool:
     except RuntimeError:  # torch 2.11: "only supports per-tensor scaling for CPU backend"
         return False
     return bool((out == 32.0).all())
+
+
+_GROUPED_MM: dict[str, bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def grouped_mm_available(device_type: str = "cpu") -> bool:
+    """Whether ``torch._grouped_mm`` runs float32 2-D x 3-D groups on this device type (one
+    tiny call per device type at first use; the answer is kept)."""
+    if device_type not in _GROUPED_MM:
+        _GROUPED_MM[device_type] = _probe_grouped_mm(device_type)
+    return _GROUPED_MM[device_type]
+
+
+def _probe_grouped_mm(device_type: str) -> bool:
+    fn = getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return False
+    a = torch.ones(3, 16, device=device_type)
+    b = torch.ones(2, 16, 8, device=device_type)
+    offs = torch.tensor([1, 3], dtype=torch.int32, device=device_type)
+    try:
+        out = fn(a, b, offs=offs)
+    except (RuntimeError, NotImplementedError):  # no kernel for this device or dtype
+        return False
+    return tuple(out.shape) == (3, 8) and bool((out == 16.0).all())
+
+
+def scaled_grouped_mm_available(device: torch.device) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` can run on ``device``: CUDA of compute capability
+    9.0 or higher (Hopper, Blackwell) with a torch that has the op; never on CPU."""
+    if getattr(torch, "_scaled_grouped_mm", None) is None or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def premul_sum(factor: float | torch.Tensor) -> dist.ReduceOp:
