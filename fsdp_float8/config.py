@@ -82,19 +82,34 @@ class ScalingType(enum.Enum):
 class ScalingGranularity(enum.Enum):
     TENSORWISE = "tensorwise"
     AXISWISE = "axiswise"
+    # one scale per block of CastConfig.block_shape = (across, along) the contraction dim
+    BLOCKWISE = "blockwise"
+
+
+_BLOCKWISE = ScalingGranularity.BLOCKWISE
+E8M0 = torch.float8_e8m0fnu
+SCALE_DTYPES = (torch.float32, E8M0)
 
 
 @dataclass(frozen=True)
 class CastConfig:
     """How one operand is cast for one GEMM. `target_dtype=None` means the operand's
     default (e4m3 for input and weight, e5m2 for grad_output); a `Float8LinearConfig` fills
-    it in. Positional fields in torchao's order; `static_scale` is keyword-only."""
+    it in. Positional fields in torchao's order; the rest keyword-only.
+
+    Blockwise casts (`scaling_granularity="blockwise"`, dynamic only) name their block as
+    `block_shape=(across, along)` the GEMM's contraction dim, e.g. (1, 128) tiles along K,
+    (128, 128) weight blocks, and `scale_dtype` float32 or `torch.float8_e8m0fnu` (MX,
+    power-of-two scales: needs `round_scales_to_power_of_2=True`); see
+    `fsdp_float8.scaling.Blockwise`."""
 
     scaling_type: ScalingType = ScalingType.DYNAMIC
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
     target_dtype: torch.dtype | None = None
     _: KW_ONLY
     static_scale: float | None = None
+    block_shape: tuple | None = None
+    scale_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -114,17 +129,63 @@ class CastConfig:
                 f"static_scale={self.static_scale} is only used with scaling_type=static, "
                 f"got scaling_type={self.scaling_type.value}; drop static_scale or make it static"
             )
-        axiswise = self.scaling_granularity is ScalingGranularity.AXISWISE
-        if axiswise and self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
+        tensorwise = self.scaling_granularity is ScalingGranularity.TENSORWISE
+        if not tensorwise and self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
+            gran = self.scaling_granularity.value
             raise ValueError(
                 f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
-                "per operand), got scaling_granularity=axiswise; use dynamic axiswise scaling "
+                f"per operand), got scaling_granularity={gran}; use dynamic {gran} scaling "
                 "or tensorwise granularity"
             )
+        _check_block_fields(self)
+
+    def granularity(self) -> scaling.Granularity:
+        """The `fsdp_float8.scaling` granularity object this config names."""
+        return _GRANULARITY[self.scaling_granularity](self)
 
     @property
     def enabled(self) -> bool:
         return self.scaling_type is not ScalingType.DISABLED
+
+
+_GRANULARITY = {
+    ScalingGranularity.TENSORWISE: lambda cfg: scaling.Tensorwise(),
+    ScalingGranularity.AXISWISE: lambda cfg: scaling.Axiswise(),
+    ScalingGranularity.BLOCKWISE: lambda cfg: scaling.Blockwise(
+        shape=tuple(cfg.block_shape), scale_dtype=cfg.scale_dtype
+    ),
+}
+
+
+def _check_block_fields(cfg: CastConfig) -> None:
+    blockwise = cfg.scaling_granularity is ScalingGranularity.BLOCKWISE
+    shape = cfg.block_shape
+    if blockwise and not (
+        isinstance(shape, tuple)
+        and len(shape) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in shape)
+    ):
+        raise ValueError(
+            f"scaling_granularity=blockwise needs block_shape=(across, along) the "
+            f"contraction dim as two ints >= 1, got block_shape={shape!r}; e.g. (1, 128) "
+            "for activation tiles, (128, 128) for weight blocks, (1, 32) / (32, 32) for MX"
+        )
+    if not blockwise and shape is not None:
+        raise ValueError(
+            f"block_shape={shape!r} is only used with scaling_granularity=blockwise, got "
+            f"{cfg.scaling_granularity.value}; drop block_shape or make the cast blockwise"
+        )
+    if cfg.scale_dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"scale_dtype={cfg.scale_dtype} is not supported; expected torch.float32 or "
+            "torch.float8_e8m0fnu (MX block scales)"
+        )
+    if cfg.scale_dtype != torch.float32 and not blockwise:
+        raise ValueError(
+            f"scale_dtype={cfg.scale_dtype} (e8m0) is for blockwise (MX) casts, got "
+            f"scaling_granularity={cfg.scaling_granularity.value}; use scale_dtype="
+            "torch.float32 or scaling_granularity='blockwise' with a block_shape"
+        )
 
 
 @dataclass(frozen=True)
@@ -236,6 +297,16 @@ class Float8LinearConfig:
             self._check_fsdp_all_gather()
         if self.save_input_in_float8:
             self._check_save_input_in_float8()
+        self._check_e8m0_scales()
+
+    def _check_e8m0_scales(self) -> None:
+        e8m0 = [f for k, f in _OPERAND_FIELD.items() if self.cast(*k).scale_dtype == E8M0]
+        if e8m0 and not self.round_scales_to_power_of_2:
+            raise ValueError(
+                f"{e8m0[0]} has scale_dtype=torch.float8_e8m0fnu, which holds powers of two "
+                "only, but round_scales_to_power_of_2=False; set it True (the 'mxfp8' recipe "
+                "does) or use float32 block scales"
+            )
 
     def _check_second_use(self, operand: Operand) -> None:
         first = self.cast(operand, PRIMARY_GEMM[operand])
@@ -265,6 +336,9 @@ class Float8LinearConfig:
             )
         if fwd.scaling_granularity is ScalingGranularity.AXISWISE:
             return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
+        if fwd.scaling_granularity is ScalingGranularity.BLOCKWISE:
+            self._check_block_all_gather(fwd, bwd)
+            return
         same_dtype = self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) == self.float8_dtype(
             Operand.WEIGHT, Gemm.GRAD_INPUT
         )
@@ -280,21 +354,34 @@ class Float8LinearConfig:
                 "cast_config_weight_for_grad_input tensorwise (or leave it None)"
             )
 
+    @staticmethod
+    def _check_block_all_gather(fwd: CastConfig, bwd: CastConfig) -> None:
+        """A gathered block weight serves both weight GEMMs as it is: one cast, so square
+        blocks (the same whichever dim is contracted) and one config for both GEMMs."""
+        if fwd != bwd or fwd.block_shape[0] != fwd.block_shape[1]:
+            raise ValueError(
+                "enable_fsdp_float8_all_gather=True with a blockwise weight gathers one "
+                "float8 weight for both weight GEMMs, which needs square blocks and one cast "
+                f"config; got cast_config_weight={fwd}, cast_config_weight_for_grad_input="
+                f"{bwd}; use square blocks (e.g. (128, 128)) and leave the grad_input one None"
+            )
+
     def _check_save_input_in_float8(self) -> None:
+        """Tensorwise: backward reuses the forward's float8 input. Blockwise: forward also
+        casts the input for grad_weight (tiles along the token dim) and saves that."""
         first = self.cast(Operand.INPUT, Gemm.OUTPUT)
         second = self.cast(Operand.INPUT, Gemm.GRAD_WEIGHT)
         same = self.float8_dtype(Operand.INPUT, Gemm.OUTPUT) == self.float8_dtype(
             Operand.INPUT, Gemm.GRAD_WEIGHT
         )
-        tensorwise = all(
-            c.enabled and c.scaling_granularity is ScalingGranularity.TENSORWISE
-            for c in (first, second)
-        )
-        if not (same and tensorwise):
+        kinds = {c.scaling_granularity for c in (first, second) if c.enabled}
+        both = first.enabled and second.enabled and len(kinds) == 1
+        if not (same and both and kinds <= {ScalingGranularity.TENSORWISE, _BLOCKWISE}):
             raise ValueError(
-                "save_input_in_float8=True reuses the forward's float8 input in backward, "
-                "which needs input tensorwise with the same dtype for output and grad_weight; "
-                "use the 'tensorwise' recipe or set save_input_in_float8=False"
+                "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
+                "input tensorwise (or blockwise) with the same dtype for output and "
+                "grad_weight; use the 'tensorwise', 'blockwise' or 'mxfp8' recipe or set "
+                "save_input_in_float8=False"
             )
 
     def _resolve(self, operand: Operand) -> None:
@@ -335,13 +422,8 @@ class Float8LinearConfig:
                 scale_fn_name=d.scale_fn_name,
                 power_of_2=self.round_scales_to_power_of_2,
             )
-        granularity = (
-            scaling.Tensorwise()
-            if cfg.scaling_granularity is ScalingGranularity.TENSORWISE
-            else scaling.Axiswise()
-        )
         return scaling.DynamicScaling(
-            granularity=granularity, power_of_2=self.round_scales_to_power_of_2
+            granularity=cfg.granularity(), power_of_2=self.round_scales_to_power_of_2
         )
 
     def any_float8(self) -> bool:
@@ -353,8 +435,10 @@ class Float8LinearConfig:
         weight all-gather in float8: the scale source follows the weight's scaling type."""
         from fsdp_float8 import weight_wrappers  # here: weight_wrappers imports this module
 
-        scaling_type = self.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_type
-        return getattr(weight_wrappers, _WEIGHT_WRAPPER[scaling_type])
+        cfg = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
+        if cfg.scaling_granularity is _BLOCKWISE:  # dynamic only: scales from the shard
+            return weight_wrappers.BlockFloat8Weight
+        return getattr(weight_wrappers, _WEIGHT_WRAPPER[cfg.scaling_type])
 
     def scaling_types(self) -> set[ScalingType]:
         return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}
@@ -364,7 +448,8 @@ class Float8LinearConfig:
         cls, recipe_name: Float8LinearRecipeName | str, **overrides
     ) -> Float8LinearConfig:
         """A named recipe (a `Float8LinearRecipeName` or its value: 'tensorwise',
-        'rowwise', 'rowwise_with_gw_hp'), with any field overridden by keyword."""
+        'rowwise', 'rowwise_with_gw_hp', 'blockwise', 'mxfp8'), with any field overridden
+        by keyword."""
         casts, flags = recipe_fields(recipe_name)
         fields = {name: CastConfig(**kw) for name, kw in casts.items()}
         return cls(**{**fields, **flags, **overrides})
@@ -380,6 +465,14 @@ class Float8LinearConfig:
     @classmethod
     def rowwise_with_gw_hp(cls, **overrides) -> Float8LinearConfig:
         return cls.from_recipe_name(Float8LinearRecipeName.ROWWISE_WITH_GW_HP, **overrides)
+
+    @classmethod
+    def blockwise(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.BLOCKWISE, **overrides)
+
+    @classmethod
+    def mxfp8(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.MXFP8, **overrides)
 
 
 def _as_given(cfg: CastConfig) -> CastConfig:

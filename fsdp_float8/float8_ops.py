@@ -3,7 +3,9 @@
 Mental model: a Float8Tensor is (data, scale). Shape ops apply to the data and move the
 scale along (a 0-d tensorwise scale stays as is; an axiswise scale, which has the data's
 rank with size 1 on the reduced dim, is transposed/sliced/reshaped with it). Matmuls go
-through `scaled_mm`, which is either `torch._scaled_mm` or its high-precision emulation.
+through `scaled_mm`, which is either `torch._scaled_mm` or its high-precision emulation;
+block-scaled operands (`Float8Tensor._block`) go to the block GEMM beside it
+(`fsdp_float8.blocks.block_scaled_mm`), and shape ops that would cut blocks refuse.
 Any op not in the table raises, naming the op: we never silently dequantize.
 """
 
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_float8._compat import cpu_scaled_mm_takes_row_scales
+from fsdp_float8.blocks import Block, block_scaled_mm
 from fsdp_float8.float8_tensor import Float8Tensor
 
 aten = torch.ops.aten
@@ -32,8 +35,17 @@ def implements(*ops):
     return decorator
 
 
-def _rewrap(t: Float8Tensor, data: torch.Tensor, scale: torch.Tensor | None = None):
-    return Float8Tensor(data, t._scale if scale is None else scale, t._orig_dtype, t._emulate)
+def _rewrap(t: Float8Tensor, data: torch.Tensor, scale: torch.Tensor | None = None, block=None):
+    scale = t._scale if scale is None else scale
+    return Float8Tensor(data, scale, t._orig_dtype, t._emulate, block or t._block)
+
+
+def _refuse_blocks(t: Float8Tensor, what: str) -> None:
+    if t._block is not None:
+        raise ValueError(
+            f"{what} of a block-scaled Float8Tensor (block {t._block}, scale "
+            f"{tuple(t._scale.shape)}) is not supported: it would cut blocks; dequantize first"
+        )
 
 
 def _tensorwise(t: Float8Tensor) -> bool:
@@ -57,12 +69,16 @@ def _transpose(func, args, kwargs):
     t = args[0]
     if _tensorwise(t):
         return _rewrap(t, func(t._data, *args[1:]))
-    return _rewrap(t, func(t._data, *args[1:]), func(t._scale, *args[1:]))
+    block = None if t._block is None else (t._block[1], t._block[0])  # 2-D: swap
+    return _rewrap(t, func(t._data, *args[1:]), func(t._scale, *args[1:]), block)
 
 
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(func, args, kwargs):
     t, shape = args[0], list(args[1])
+    if t._block is not None and shape == list(t.shape):
+        return _rewrap(t, func(t._data, shape))
+    _refuse_blocks(t, f"view as {shape}")
     data = func(t._data, shape)
     if _tensorwise(t):
         return _rewrap(t, data)
@@ -79,6 +95,7 @@ def _view(func, args, kwargs):
 
 
 def _slice_scale(t: Float8Tensor, dim: int, start, end, step=1) -> torch.Tensor:
+    _refuse_blocks(t, "slicing")
     if _tensorwise(t) or t._scale.shape[dim] == 1:
         return t._scale
     return aten.slice.Tensor(t._scale, dim, start, end, step)
@@ -113,10 +130,11 @@ def _as_strided(func, args, kwargs):
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     scale = t._scale
     per_row = scale.dim() == 2 and scale.shape[1] == 1
-    if per_row and size == list(t.shape) and not offset:
-        # nothing to cut: keep the data's strides (the rowwise all-gather output has the
-        # row scales' bytes between rows, so the data is not contiguous)
+    if (per_row or t._block is not None) and size == list(t.shape) and not offset:
+        # nothing to cut: keep the data's strides (the rowwise and block all-gather outputs
+        # have the scales' bytes between rows, so the data is not contiguous)
         return _rewrap(t, t._data)
+    _refuse_blocks(t, f"as_strided to {size}")
     data = func(t._data, *args[1:], **kwargs)
     if _tensorwise(t):
         return _rewrap(t, data)
@@ -135,6 +153,8 @@ def _cat(func, args, kwargs):
     first = tensors[0]
     if not all(isinstance(x, Float8Tensor) for x in tensors):
         raise TypeError("cat of Float8Tensor with plain tensors; dequantize first")
+    for x in tensors:
+        _refuse_blocks(x, "cat")
     # tensorwise, or axiswise along the reduced dim (scale size 1 there): one scale covers
     # the result, so the pieces must share it
     shared = all(_tensorwise(x) for x in tensors) or all(
@@ -160,7 +180,7 @@ def _to_copy(func, args, kwargs):
         raise TypeError(f"cannot .to({dtype}) a Float8Tensor; its data already is float8")
     data = func(t._data, **kwargs)
     scale = func(t._scale, **kwargs)
-    return Float8Tensor(data, scale, dtype or t._orig_dtype, t._emulate)
+    return Float8Tensor(data, scale, dtype or t._orig_dtype, t._emulate, t._block)
 
 
 @implements(aten.copy_.default)
@@ -297,6 +317,7 @@ def scaled_mm(
         emulate=emulate,
         use_fast_accum=use_fast_accum,
         pad_inner_dim=pad_inner_dim,
+        blocks=(a._block, b._block),
     )
 
 
@@ -310,12 +331,21 @@ def scaled_mm_data(
     emulate: bool = False,
     use_fast_accum: bool = False,
     pad_inner_dim: bool = False,
+    blocks: tuple[Block | None, Block | None] = (None, None),
+    scale_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """a (M, K) @ b (K, N) from float8 data and scales (`scale` multiplies hp into fp8).
     Lays out a row-major and b column-major (what the hardware GEMM needs), pads K and N to
     multiples of 16 when asked (`_pad_to_16`), and either calls `torch._scaled_mm` or
     emulates it in float32. Takes plain tensors so the linear layer's autograd function
-    traces under torch.compile without building subclasses inside the graph."""
+    traces under torch.compile without building subclasses inside the graph.
+    `blocks`: each operand's (rows, cols) block when block-scaled: then the block GEMM
+    (`fsdp_float8.blocks.block_scaled_mm`, with `scale_dtype` float32 or e8m0) runs."""
+    if blocks != (None, None):
+        return block_scaled_mm(
+            a_data, a_scale, blocks[0], b_data, b_scale, blocks[1], out_dtype=out_dtype,
+            emulate=emulate, use_fast_accum=use_fast_accum, scale_dtype=scale_dtype,
+        )  # fmt: skip
     n = b_data.shape[1]
     inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n)
     a_data = a_data if a_data.is_contiguous() else a_data.contiguous()

@@ -7,6 +7,8 @@ Conventions (said once, here):
   `torch._scaled_mm` takes.
 - A scale is 0-d (tensorwise) or has the data's rank with size 1 on the reduced dim
   (axiswise), so it broadcasts against `_data`; view ops move the scale with the data.
+  A block-scaled tensor (`_block` = (rows, cols) of one block, `fsdp_float8.blocks`) has
+  one scale per block, shape (ceil(R / rows), ceil(C / cols)); it does not broadcast.
 
 The wrapper reports the original high-precision dtype (`_orig_dtype`) as its dtype, so
 autograd and FSDP2 see a tensor of the parameter's dtype. Ops on it live in `float8_ops`.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_float8.blocks import dequantize_blocks
 from fsdp_float8.scaling import cast_to_float8_data
 
 
@@ -24,6 +27,7 @@ class Float8Tensor(torch.Tensor):
     _scale: torch.Tensor
     _orig_dtype: torch.dtype
     _emulate: bool
+    _block: tuple[int, int] | None
 
     @staticmethod
     def __new__(
@@ -32,6 +36,7 @@ class Float8Tensor(torch.Tensor):
         scale: torch.Tensor,
         orig_dtype: torch.dtype,
         emulate: bool = False,
+        block: tuple[int, int] | None = None,
     ):
         self = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -46,22 +51,23 @@ class Float8Tensor(torch.Tensor):
         self._scale = scale
         self._orig_dtype = orig_dtype
         self._emulate = emulate
+        self._block = None if block is None else (int(block[0]), int(block[1]))
         return self
 
     def __repr__(self) -> str:
         return (
             f"Float8Tensor(dtype={self._data.dtype}, orig_dtype={self._orig_dtype}, "
             f"shape={tuple(self.shape)}, scale_shape={tuple(self._scale.shape)}, "
-            f"emulate={self._emulate})"
+            f"emulate={self._emulate}{'' if self._block is None else f', block={self._block}'})"
         )
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self._orig_dtype, self._emulate)
+        return ["_data", "_scale"], (self._orig_dtype, self._emulate, self._block)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        orig_dtype, emulate = meta
-        return Float8Tensor(inner["_data"], inner["_scale"], orig_dtype, emulate)
+        orig_dtype, emulate, block = meta
+        return Float8Tensor(inner["_data"], inner["_scale"], orig_dtype, emulate, block)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -87,17 +93,20 @@ class Float8Tensor(torch.Tensor):
 
     def dequantize(self) -> torch.Tensor:
         """High-precision value, not differentiable (see `to_original_precision`)."""
+        if self._block is not None:
+            return dequantize_blocks(self._data, self._scale, self._block, self._orig_dtype)
         return (self._data.to(torch.float32) * self.inv_scale).to(self._orig_dtype)
 
     def to_original_precision(self) -> torch.Tensor:
         return _FromFloat8.apply(self)
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild_float8_tensor, (self._data, self._scale, self._orig_dtype, self._emulate))
+        args = (self._data, self._scale, self._orig_dtype, self._emulate, self._block)
+        return (_rebuild_float8_tensor, args)
 
 
-def _rebuild_float8_tensor(data, scale, orig_dtype, emulate):
-    return Float8Tensor(data, scale, orig_dtype, emulate)
+def _rebuild_float8_tensor(data, scale, orig_dtype, emulate, block=None):
+    return Float8Tensor(data, scale, orig_dtype, emulate, block)
 
 
 class _ToFloat8(torch.autograd.Function):

@@ -33,7 +33,7 @@ from fsdp_float8.config import (
 from fsdp_float8.delayed_state import DelayedScalingState
 from fsdp_float8.float8_ops import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.float8_tensor import Float8Tensor
-from fsdp_float8.scaling import ScalingStrategy, Tensorwise, cast_to_float8_data
+from fsdp_float8.scaling import ScalingStrategy
 from fsdp_float8.weight_wrappers import wrap_weight
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 
@@ -52,6 +52,10 @@ class CastPlan:
     # rowwise float8 all-gather: the grad_input weight is re-cast from the row-cast weight,
     # sharded or not, so a model's numerics do not depend on how it is sharded
     weight_from_rows: bool
+    # per GEMM: (left, right) operand blocks in the GEMM's frame (None: the scale
+    # broadcasts) and the scale dtype the block GEMM gets (e8m0 for MX)
+    blocks: dict[Gemm, tuple]
+    scale_dtypes: dict[Gemm, torch.dtype]
 
     @classmethod
     def from_config(cls, config: Float8LinearConfig) -> CastPlan:
@@ -64,6 +68,10 @@ class CastPlan:
             weight_from_rows=config.enable_fsdp_float8_all_gather
             and config.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_granularity
             is ScalingGranularity.AXISWISE,
+            blocks={g: _gemm_blocks(config, g) for g in GEMMS},
+            scale_dtypes={
+                g: config.cast(GEMM_OPERANDS[g][0], g).granularity().scale_dtype for g in GEMMS
+            },
         )
 
     def high_precision(self, gemm: Gemm) -> bool:
@@ -72,9 +80,20 @@ class CastPlan:
     def shares_cast(self, operand: Operand, first: Gemm, second: Gemm) -> bool:
         """True when the second use can reuse the first cast (same tensorwise scale, dtype)."""
         s1, s2 = self.strategies[(operand, first)], self.strategies[(operand, second)]
-        tensorwise = s1 is not None and isinstance(s1.granularity, Tensorwise)
+        # tensorwise or square blocks: the same cast whichever dim is contracted
+        invariant = s1 is not None and s1.granularity.transpose_invariant
         same_dtype = self.dtypes[(operand, first)] == self.dtypes[(operand, second)]
-        return tensorwise and s1 == s2 and same_dtype
+        return invariant and s1 == s2 and same_dtype
+
+
+def _gemm_blocks(config: Float8LinearConfig, gemm: Gemm) -> tuple:
+    """Blocks of the GEMM's operands in its frame: left (M, K) contracts dim 1, right (K, N)
+    dim 0 (`Granularity.block`)."""
+    left, right = GEMM_OPERANDS[gemm]
+    return (
+        config.cast(left, gemm).granularity().block(1),
+        config.cast(right, gemm).granularity().block(0),
+    )
 
 
 # Inside the autograd function an operand is a pair (data, scale): float8 data with its
@@ -88,9 +107,9 @@ def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
     strategy = plan.strategies[(operand, gemm)]
     if strategy is None:
         return hp, None
-    dtype = plan.dtypes[(operand, gemm)]
-    scale = strategy.scale(hp, CONTRACTION_DIM[(gemm, operand)], dtype, states.get(operand))
-    return cast_to_float8_data(hp, scale, dtype), scale
+    dtype, dim = plan.dtypes[(operand, gemm)], CONTRACTION_DIM[(gemm, operand)]
+    scale = strategy.scale(hp, dim, dtype, states.get(operand))
+    return strategy.granularity.cast(hp, scale, dim, dtype), scale
 
 
 def _t(pair: Pair) -> Pair:
@@ -112,6 +131,8 @@ def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> tor
         use_fast_accum=plan.fast_accum[gemm],
         # the token dim (contraction of grad_weight) is not the user's to choose: always pad
         pad_inner_dim=plan.pad_inner_dim or gemm is Gemm.GRAD_WEIGHT,
+        blocks=plan.blocks[gemm],
+        scale_dtype=plan.scale_dtypes[gemm],
     )
 
 
@@ -122,8 +143,8 @@ def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
         rows = cast_operand(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, states)
     else:
         return cast_operand(weight, Operand.WEIGHT, gemm, plan, states)
-    if gemm is Gemm.OUTPUT or rows[1].dim() == 0:
-        return rows
+    if gemm is Gemm.OUTPUT or rows[1].dim() == 0 or _shared(plan, Operand.WEIGHT):
+        return rows  # tensorwise or square blocks: the gathered cast serves both GEMMs
     # per-row scales suit the output GEMM only; grad_input contracts over the rows, so
     # re-cast from the row-cast weight: no extra bytes gathered, grad_input SQNR within
     # ~0.1 dB (rowwise) / ~2.5 dB (tensorwise, rowwise_with_gw_hp) of a cast from hp
@@ -138,7 +159,12 @@ class _Float8LinearFn(torch.autograd.Function):
         x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype)
-        saved_x = x_fp8 if save_input_in_float8 else (x2, None)
+        saved_x = (x2, None)
+        if save_input_in_float8:  # blocks: tiles along the token dim, cast here from hp
+            shared = _shared(plan, Operand.INPUT)
+            saved_x = (
+                x_fp8 if shared else cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+            )
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
@@ -180,8 +206,12 @@ def _shared(plan: CastPlan, operand: Operand) -> bool:
 
 def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:
     """The same cast as in forward (same tensorwise scale and dtype), without a new amax."""
-    dtype = plan.dtypes[(operand, PRIMARY_GEMM[operand])]
-    return cast_to_float8_data(hp, scale, dtype), scale
+    gemm = PRIMARY_GEMM[operand]
+    granularity = plan.strategies[(operand, gemm)].granularity
+    cast = granularity.cast(
+        hp, scale, CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
+    )
+    return cast, scale
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
@@ -197,7 +227,9 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
 def _short(cfg) -> str:
     if not cfg.enabled:
         return "hp"
-    gran = "tw" if cfg.scaling_granularity is ScalingGranularity.TENSORWISE else "aw"
+    gran = cfg.scaling_granularity.value[0] + "w"  # tw, aw, bw
+    if cfg.block_shape is not None:
+        gran += f"{cfg.block_shape[0]}x{cfg.block_shape[1]}"
     return f"{cfg.scaling_type.value[:3]}_{gran}"
 
 

@@ -28,6 +28,13 @@ class Float8LinearRecipeName(enum.Enum):
     # rowwise forward and grad_input (the grad_input weight tensorwise), grad_weight in
     # high precision
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
+    # (not torchao's; this package's) DeepSeek-V3 style: e4m3 everywhere, activations and
+    # grad_output in 1x128 tiles along each GEMM's contraction dim, weights in 128x128
+    # blocks, float32 scales (round_scales_to_power_of_2=True makes them powers of two)
+    BLOCKWISE = "blockwise"
+    # MXFP8: e4m3 data, e8m0 (power-of-two, RCEIL) scales per 32 elements along the
+    # contraction dim; weights in 32x32 tiles so both weight GEMMs share one cast
+    MXFP8 = "mxfp8"
 
 
 def recipe_name_of(recipe_name: Float8LinearRecipeName | str) -> Float8LinearRecipeName:
@@ -50,6 +57,20 @@ _AXIS = {"scaling_granularity": "axiswise", "target_dtype": E4M3}
 # one FSDP shards); grad_weight stays in high precision. e4m3 is named on the disabled
 # casts too, as torchao does, so an operand's two uses agree on the dtype.
 _OFF = {"scaling_type": "disabled", "target_dtype": E4M3}
+
+
+def _blocks(act: tuple[int, int], weight: tuple[int, int], scale_dtype: torch.dtype):
+    def cast(shape):
+        return {"scaling_granularity": "blockwise", "target_dtype": E4M3,
+                "block_shape": shape, "scale_dtype": scale_dtype}  # fmt: skip
+
+    return {
+        "cast_config_input": cast(act),
+        "cast_config_weight": cast(weight),
+        "cast_config_grad_output": cast(act),
+    }
+
+
 _CASTS: dict[Float8LinearRecipeName, dict[str, dict]] = {
     Float8LinearRecipeName.TENSORWISE: {},
     Float8LinearRecipeName.ROWWISE: {
@@ -65,11 +86,15 @@ _CASTS: dict[Float8LinearRecipeName, dict[str, dict]] = {
         "cast_config_grad_output": _AXIS,
         "cast_config_grad_output_for_grad_weight": _OFF,
     },
+    Float8LinearRecipeName.BLOCKWISE: _blocks((1, 128), (128, 128), torch.float32),
+    Float8LinearRecipeName.MXFP8: _blocks((1, 32), (32, 32), torch.float8_e8m0fnu),
 }
 _FLAGS: dict[Float8LinearRecipeName, dict[str, object]] = {
     Float8LinearRecipeName.TENSORWISE: {},
     Float8LinearRecipeName.ROWWISE: {"round_scales_to_power_of_2": True},
     Float8LinearRecipeName.ROWWISE_WITH_GW_HP: {"round_scales_to_power_of_2": True},
+    Float8LinearRecipeName.BLOCKWISE: {},
+    Float8LinearRecipeName.MXFP8: {"round_scales_to_power_of_2": True},
 }
 
 
@@ -85,16 +110,14 @@ def _auto_filter_for_recipe(
     recipe: Float8LinearRecipeName | str, filter_fqns: list[str]
 ) -> Callable[[nn.Module, str], bool]:
     """A `module_filter_fn` for `recipe` (torchao's thresholds; see the module docstring).
-    For 'rowwise_with_gw_hp' torchao has no thresholds: NotImplementedError, as there."""
+    For the other recipes torchao has no thresholds: NotImplementedError, as there."""
     name = recipe_name_of(recipe)
-    if name is Float8LinearRecipeName.ROWWISE_WITH_GW_HP:
+    worth_it = _PAYS_OFF.get(name)
+    if worth_it is None:
         raise NotImplementedError(
-            "_auto_filter_for_recipe has no size thresholds for 'rowwise_with_gw_hp' (nor "
-            "has torchao's); pass your own module_filter_fn, or the 'rowwise' filter"
+            f"_auto_filter_for_recipe has no size thresholds for {name.value!r} (nor has "
+            "torchao's); pass your own module_filter_fn, or the 'rowwise' filter"
         )
-    worth_it = (
-        _tensorwise_pays_off if name is Float8LinearRecipeName.TENSORWISE else _rowwise_pays_off
-    )
     fqns = list(filter_fqns)
 
     def module_filter_fn(module: nn.Module, fqn: str) -> bool:
@@ -112,3 +135,9 @@ def _tensorwise_pays_off(n: int, k: int) -> bool:
 
 def _rowwise_pays_off(n: int, k: int) -> bool:
     return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
+
+
+_PAYS_OFF = {
+    Float8LinearRecipeName.TENSORWISE: _tensorwise_pays_off,
+    Float8LinearRecipeName.ROWWISE: _rowwise_pays_off,
+}

@@ -4,8 +4,11 @@ Scale math (the house rule): amax in float32, floored at EPS, `fp8_max / amax` d
 float64 (so eager and torch.compile agree bit for bit), optionally rounded down to a power
 of two, then stored as float32. Casting multiplies by the scale and saturates at fp8_max.
 
-Granularity says what one scale covers: `Tensorwise` (one 0-d scale) or `Axiswise` (one
-scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts).
+Granularity says what one scale covers: `Tensorwise` (one 0-d scale), `Axiswise` (one
+scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts)
+or `Blockwise` (one scale per block of a 2-D operand, e.g. 1x128 tiles along the
+contraction dim, 128x128 weight blocks, MX 1x32 with e8m0 scales; see `fsdp_float8.blocks`).
+Each granularity also casts with its scale (`cast`), since a block scale does not broadcast.
 Strategies say where the scale comes from:
 - `DynamicScaling`: from the tensor's own amax, now.
 - `DelayedScaling`: from a history of past amaxes (`fsdp_float8.delayed_state`, the one
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from fsdp_float8.blocks import block_amax, cast_to_float8_blocks, expand_block_scale
 
 if TYPE_CHECKING:
     from fsdp_float8.delayed_state import DelayedState
@@ -107,19 +112,94 @@ def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class Granularity(Protocol):
+    # True when one cast serves the operand contracted along either dim (tensorwise,
+    # square blocks): the layer then reuses it for the operand's second GEMM
+    transpose_invariant: bool
+    scale_dtype: torch.dtype  # how the scale is sent (all-gather, CUDA GEMM)
+
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def block(self, dim: int) -> tuple[int, int] | None:
+        """(rows, cols) of a block of a 2-D operand contracted along `dim`; None when the
+        scale broadcasts (tensorwise, axiswise)."""
+        ...
+
+    def cast(
+        self, hp: torch.Tensor, scale: torch.Tensor, dim: int, float8_dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+    def broadcastable(self, scale: torch.Tensor, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        """The scale in a form that broadcasts against `hp` (for statistics)."""
+        ...
 
 
 @dataclass(frozen=True)
 class Tensorwise:
+    transpose_invariant = True
+    scale_dtype = torch.float32
+
+    def block(self, dim: int) -> None:
+        return None
+
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor_amax(hp)
+
+    def cast(self, hp, scale, dim, float8_dtype):
+        return cast_to_float8_data(hp, scale, float8_dtype)
+
+    def broadcastable(self, scale, hp, dim):
+        return scale
 
 
 @dataclass(frozen=True)
 class Axiswise:
+    transpose_invariant = False
+    scale_dtype = torch.float32
+
+    def block(self, dim: int) -> None:
+        return None
+
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
         return axis_amax(hp, dim)  # scales carry no gradient
+
+    def cast(self, hp, scale, dim, float8_dtype):
+        return cast_to_float8_data(hp, scale, float8_dtype)
+
+    def broadcastable(self, scale, hp, dim):
+        return scale
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """One scale per block of `shape = (across, along)` elements of a 2-D operand: `along`
+    on the dim the GEMM contracts, `across` on the other. (1, 128) is DeepSeek's activation
+    tile, (128, 128) its weight block, (1, 32) / (32, 32) MX's; a square block is the same
+    whichever dim is contracted, so one cast serves both of a weight's GEMMs.
+    `scale_dtype` is how the scale is stored and sent: float32, or `torch.float8_e8m0fnu`
+    (MX: the scale must be a power of two, which `DynamicScaling(power_of_2=True)` gives by
+    RCEIL, see `fsdp_float8.blocks.e8m0_from_scale`). In memory the scale is float32 either
+    way, in this package's convention (multiplies hp into float8 range)."""
+
+    shape: tuple[int, int] = (1, 128)
+    scale_dtype: torch.dtype = torch.float32
+
+    @property
+    def transpose_invariant(self) -> bool:
+        return self.shape[0] == self.shape[1]
+
+    def block(self, dim: int) -> tuple[int, int]:
+        """(rows, cols) of one block of a 2-D operand contracted along `dim`."""
+        across, along = self.shape
+        return (across, along) if dim in (-1, 1) else (along, across)
+
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        return block_amax(hp, self.block(dim))
+
+    def cast(self, hp, scale, dim, float8_dtype):
+        return cast_to_float8_blocks(hp, scale, self.block(dim), float8_dtype)
+
+    def broadcastable(self, scale, hp, dim):
+        return expand_block_scale(scale, self.block(dim), hp.shape)
 
 
 class ScalingStrategy(Protocol):

@@ -69,6 +69,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.config import CONTRACTION_DIM, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
+from fsdp_float8.blocks import expand_block_scale
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.linear import CastPlan, Float8Linear
 from fsdp_float8.numerics import out_of_range_fraction, underflow_fraction
@@ -261,6 +262,7 @@ class Float8Telemetry:
             dtype = module.plan.dtypes[(operand, gemm)]
             dim = CONTRACTION_DIM[(gemm, operand)]
             scale = strategy.scale(hp, dim, dtype, _scratch_state(module, operand))
+            scale = strategy.granularity.broadcastable(scale, hp, dim)  # block scales expand
             self._add(step, fqn, operand, gemm, dtype, cast_stats(hp, scale, dtype))
 
     def _observe_weight(self, fqn: str, module: Float8Linear) -> None:
@@ -273,13 +275,21 @@ class Float8Telemetry:
             return
         # one gathered Float8Tensor serves both weight GEMMs: one record
         shard = self._sharded_weights.get(fqn)
+        if shard is not None and weight._block is not None:
+            # block scales are local to the shard: recomputed from it, they are exactly the
+            # ones its all-gather cast used
+            self._observe(fqn, module, Operand.WEIGHT, plain_weight(shard.to_local()))
+            return
         if shard is not None:
             hp = plain_weight(shard.to_local())
             stats = cast_stats(hp, weight._scale, weight.float8_dtype)
         else:
             self._warn_no_shard(fqn)
             deq = weight.dequantize()
-            stats = cast_stats(deq, weight._scale, weight.float8_dtype)
+            scale = weight._scale
+            if weight._block is not None:
+                scale = expand_block_scale(scale, weight._block, deq.shape)
+            stats = cast_stats(deq, scale, weight.float8_dtype)
             stats[3:] = float("nan")
         self._add(self.current_step, fqn, Operand.WEIGHT, gemms[0], weight.float8_dtype, stats)
 
