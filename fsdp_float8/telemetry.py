@@ -68,8 +68,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_float8.config import CONTRACTION_DIM, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.blocks import expand_block_scale
+from fsdp_float8.config import CONTRACTION_DIM, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.linear import CastPlan, Float8Linear
 from fsdp_float8.numerics import out_of_range_fraction, underflow_fraction
