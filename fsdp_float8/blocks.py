@@ -21,7 +21,7 @@ The block-scaled GEMM `block_scaled_mm` (a (M, K) @ b (K, N)):
   (one rounding per element), then one float32 matmul, rounded once to `out_dtype`.
   CPU `torch._scaled_mm` rejects block scales, and itself dequantizes and runs a float32
   GEMM, so this is what a CPU float8 GEMM is.
-- CUDA: `torch.nn.functional.scaled_mm` with `ScalingType.BlockWise1x128` /
+- CUDA: `torch.nn.functional.scaled_mm` with its `BlockWise1x128` /
   `BlockWise128x128` (SM90) or `BlockWise1x32` with swizzled e8m0 scales (SM100), where
   `cuda_block_gemm_problem` finds no obstacle; otherwise a ValueError naming what the
   device lacks. Written from PyTorch's documentation and tests; never run here (no GPU).
