@@ -45,6 +45,7 @@ from fsdp_float8.numerics import sqnr_db
 from fsdp_float8.recipes import _auto_filter_for_recipe
 from fsdp_float8.telemetry import Float8Telemetry
 from fsdp_float8.weight_wrappers import (
+    BlockFloat8Weight,
     DelayedFloat8Weight,
     DynamicFloat8Weight,
     StaticFloat8Weight,
@@ -58,6 +59,7 @@ torch.serialization.add_safe_globals(
         Float8Tensor,
         _rebuild_float8_tensor,
         DynamicFloat8Weight,
+        BlockFloat8Weight,
         DelayedFloat8Weight,
         StaticFloat8Weight,
         _rebuild_weight_wrapper,
@@ -109,6 +111,7 @@ __version__ = _package_version()
 
 __all__ = [
     "_auto_filter_for_recipe",
+    "BlockFloat8Weight",
     "CastConfig",
     "ConversionReport",
     "DelayedFloat8Weight",

@@ -5,7 +5,8 @@ torch 2.13); NEVER RUN in this project so far (no GPU was lent): treat as untest
 What it asks of the device and shapes (`cuda_block_gemm_problem` says which is missing):
 - float32 block scales (DeepSeek-style): SM90 (H100/H200) exactly; pairs (1x128, 128x128),
   (1x128, 1x128), (128x128, 1x128) along K; M, N, K multiples of 128. Scales go in as
-  dequantization factors (1 / scale), 1x128 ones "outer-dim-major" (stride 1 along M/N).
+  dequantization factors (1 / scale), 1x128 ones "outer-dim-major" (stride 1 along M/N),
+  128x128 ones as (K/128 padded to a multiple of 4, rows/128) with stride 1 along K.
 - e8m0 scales (MX): SM100+ (Blackwell); 1x32 along K on both operands (a 32x32 weight
   block is repeated to its 32 rows of 1x32 tiles); scales swizzled (SWIZZLE_32_4_4:
   128x4 tiles of the scale matrix laid out as 32x16, rows padded to 128, columns to 4).
@@ -65,12 +66,19 @@ def cuda_block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, fa
     if a_block == (1, 128):
         ra, sa = st.BlockWise1x128, inv_a.t().contiguous().t()  # (M, K/128), M-major
     else:
-        ra, sa = st.BlockWise128x128, inv_a.contiguous()
+        ra, sa = st.BlockWise128x128, _k_padded_t(inv_a)  # (L4, M/128), stride (1, L4)
     if b_block == (128, 1):
-        rb, sb = st.BlockWise1x128, inv_b.t()  # (N, K/128) with stride 1 along N
+        rb, sb = st.BlockWise1x128, inv_b.contiguous().t()  # (N, K/128), N-major
     else:
-        rb, sb = st.BlockWise128x128, inv_b.t().contiguous()  # (N/128, K/128)
+        rb, sb = st.BlockWise128x128, _k_padded_t(inv_b.t())  # (L4, N/128), stride (1, L4)
     return F.scaled_mm(a, b, sa, ra, sb, rb, output_dtype=out_dtype, use_fast_accum=fast)
+
+
+def _k_padded_t(scale: torch.Tensor) -> torch.Tensor:
+    """A (rows/128, K/128) 128x128 scale with K/128 padded to a multiple of 4 (L4), stored
+    row-major and handed over transposed: the layout PyTorch's tests give the kernel."""
+    padded = F.pad(scale, (0, -scale.shape[1] % 4)).contiguous()
+    return padded.t()
 
 
 def swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:

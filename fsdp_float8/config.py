@@ -297,6 +297,17 @@ class Float8LinearConfig:
             self._check_fsdp_all_gather()
         if self.save_input_in_float8:
             self._check_save_input_in_float8()
+        self._check_blocks()
+
+    def _check_blocks(self) -> None:
+        blockwise = [f for k, f in _OPERAND_FIELD.items() if self.cast(*k).block_shape]
+        if blockwise and self.pad_inner_dim:
+            raise ValueError(
+                f"pad_inner_dim=True pads K and N to multiples of 16 for torch._scaled_mm, "
+                f"but {blockwise[0]} is blockwise: block GEMMs tile any shape when emulated "
+                "and need multiples of 128 (32 for MX) on CUDA; drop pad_inner_dim, or keep "
+                "layers whose dims are not multiples of 16 in high precision"
+            )
         self._check_e8m0_scales()
 
     def _check_e8m0_scales(self) -> None:

@@ -30,6 +30,8 @@ CONFIGS: dict[str, list[str]] = {
     "tensorwise-hp-all-gather": ["--recipe", "tensorwise", "--no-fp8-all-gather"],
     "rowwise": ["--recipe", "rowwise"],
     "delayed": ["--recipe", "tensorwise", "--scaling", "delayed", "--fp8-all-gather"],
+    "blockwise": ["--recipe", "blockwise"],
+    "mxfp8": ["--recipe", "mxfp8", "--fp8-all-gather"],
 }
 BASELINE = "bf16"
 

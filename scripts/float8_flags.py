@@ -13,7 +13,21 @@ from torch import nn
 from fsdp_float8 import CastConfig, DelayedScalingConfig, Float8LinearConfig
 from fsdp_float8.convert import dims_divisible_by_16
 
-RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+# float8 all-gather by default: tensorwise, and mxfp8 (every linear of the tiny preset has
+# whole 32-row blocks per rank); not blockwise: the tiny preset's wk/wv have 64 rows per
+# rank on 2 ranks, not whole 128-row blocks, which a block all-gather refuses
+DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8")
+
+
+def default_all_gather(args: argparse.Namespace) -> bool:
+    return (
+        args.fp8_all_gather
+        if args.fp8_all_gather is not None
+        else args.recipe in DEFAULT_ALL_GATHER
+    )
+
+
 SCALINGS = ("dynamic", "delayed", "static")
 # static scales multiply hp values into float8 range: roughly fp8_max / expected amax
 DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
@@ -24,9 +38,7 @@ def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
     config's own message when the combination is refused."""
     if args.recipe == "off":
         return None
-    all_gather = args.fp8_all_gather
-    if all_gather is None:  # default: on where the recipe allows it
-        all_gather = args.recipe == "tensorwise"
+    all_gather = default_all_gather(args)
     overrides: dict = {"enable_fsdp_float8_all_gather": all_gather, "emulate": args.emulate}
     if args.scaling != "dynamic":
         if args.recipe != "tensorwise":
@@ -94,7 +106,7 @@ def describe(a: argparse.Namespace) -> str:
         parts = ["off"]
     else:
         parts = [f"{a.recipe}/{a.scaling}"]
-        all_gather = a.fp8_all_gather if a.fp8_all_gather is not None else a.recipe == "tensorwise"
+        all_gather = default_all_gather(a)
         parts.append("fp8-all-gather" if all_gather else "hp-all-gather")
         if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
             parts.append("precompute" if a.precompute else "no-precompute")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scripts.float8_flags import parse_static_scales
+from scripts.float8_flags import default_all_gather, parse_static_scales
 from scripts.sharded_model import build_args
 
 # setting -> the flag that sets it (model.* are the shape flags / the preset)
@@ -41,9 +41,7 @@ RECIPE_SETTINGS = frozenset({"recipe", "fp8_all_gather", "float8_skip"})
 def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of this run that a checkpoint depends on (plain JSON values)."""
     float8 = args.recipe != "off"
-    all_gather = args.fp8_all_gather
-    if all_gather is None:
-        all_gather = args.recipe == "tensorwise"
+    all_gather = default_all_gather(args)
     shape = build_args(args)
     return {
         "model": {k: getattr(shape, k) for k in _MODEL_FIELDS},

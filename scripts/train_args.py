@@ -89,8 +89,8 @@ def _float8_args(g) -> None:
         "--fp8-all-gather",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="FSDP2 all-gathers converted weights in float8 (default: on for tensorwise, "
-        "off for the rowwise recipes unless asked for)",
+        help="FSDP2 all-gathers converted weights in float8 (default: on for tensorwise and "
+        "mxfp8, off for the rowwise recipes and blockwise unless asked for)",
     )
     g.add_argument(
         "--precompute",

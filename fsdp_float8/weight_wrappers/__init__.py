@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
+from fsdp_float8.weight_wrappers.block import BlockFloat8Weight
 from fsdp_float8.weight_wrappers.delayed import DelayedFloat8Weight
 from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
 from fsdp_float8.weight_wrappers.static import StaticFloat8Weight
@@ -25,6 +26,7 @@ def wrap_weight(weight: nn.Parameter, module: nn.Module) -> nn.Parameter:
 
 __all__ = [
     "Float8WeightWrapper",
+    "BlockFloat8Weight",
     "DynamicFloat8Weight",
     "DelayedFloat8Weight",
     "StaticFloat8Weight",

@@ -6,7 +6,8 @@
   and optimizer state equal the saved ones exactly; on 2 ranks the continued losses equal
   the uninterrupted run's. On 1 or 4 ranks each rank's batch slice changes, so the
   per-rank dynamic input scales change with it: losses agree to a stated tolerance.
-- HSDP 2x2 on 4 ranks: losses equal a replicated reference that sums gradients in HSDP's order.
+- HSDP 2x2 on 4 ranks: losses equal a replicated reference that sums gradients in HSDP's order
+  (tensorwise and mxfp8 float8 all-gather).
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def test_hsdp_2x2_parity(tmp_path):
     # tuned on one CPU holds on another.)
     base = replace(Case(), steps=6)
     cases = [base, replace(base, scaling="delayed"), replace(base, precompute=False)]
+    # block scales gathered over each shard pair (rows 128/64 -> 64/32 a rank: whole 32x32)
+    cases.append(replace(base, model="mlp", recipe="mxfp8", n_layers=1))
     results = run_distributed(_hsdp_grid, 4, tmp_path, cases, timeout_s=400)
     for rank, per_case in enumerate(results):
         for case, (fsdp, ref) in zip(cases, per_case, strict=True):

@@ -1,7 +1,7 @@
 """Float8 all-gather when the shard group has one rank: world size 1, and HSDP (2, 1).
 
 There FSDP2 skips the all-gather and hands `fsdp_post_all_gather` only the first
-all-gather input, so whatever the weight needs (row scales) must travel inside it. Every
+all-gather input, so whatever the weight needs (row or block scales) must travel inside it. Every
 recipe and scaling type with float8 all-gather trains with the same losses as the
 replicated single-process reference.
 """
@@ -26,6 +26,9 @@ CASES = [
     replace(BASE, model="llama", recipe="rowwise", steps=3),
     # rows of 30 float8 bytes: the row scales' bytes are unaligned in the payload
     replace(BASE, recipe="rowwise", dim=30, narrow_head=True),
+    # block scales ride in the payload too; one shard takes ragged blocks (64 rows < 128)
+    replace(BASE, recipe="blockwise"),
+    replace(BASE, recipe="mxfp8", dim=48),
 ]
 # HSDP (2, 1): the two replicas' gradients are averaged by FSDP2's all-reduce and by hand in
 # the reference; a sum of two numbers has one order, so the losses are equal.

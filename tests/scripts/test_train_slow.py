@@ -1,6 +1,6 @@
 """Slower launches of ``scripts.train`` (``pytest -m slow``): restart after a crash, SIGTERM,
-a non-finite loss, a recipe change on resume, resharding to 4 ranks, float8 vs bf16
-validation loss, compare.py."""
+a non-finite loss, a recipe change on resume, resharding to 4 ranks, float8 (tensorwise,
+blockwise, mxfp8) vs bf16 validation loss, compare.py."""
 
 from __future__ import annotations
 
@@ -143,6 +143,18 @@ def test_float8_val_loss_within_2_percent_of_bf16(tmp_path: Path) -> None:
     v = _val_losses(tmp_path, {"bf16": ("--recipe", "off"), "fp8": ("--recipe", "tensorwise")})
     print(f"val loss after 100 steps: bf16 {v['bf16']:.4f}, float8 {v['fp8']:.4f}")
     assert math.isfinite(v["fp8"]) and abs(v["fp8"] - v["bf16"]) / v["bf16"] < 0.02
+
+
+def test_block_recipes_val_loss_within_1_percent_of_bf16(tmp_path: Path) -> None:
+    """make train's settings with --recipe blockwise (high-precision all-gather: the tiny
+    preset's wk/wv are not whole 128-row blocks per rank) and --recipe mxfp8 (float8
+    all-gather of block scales) against the bf16 baseline."""
+    runs = {"bf16": ("--recipe", "off"), "blockwise": ("--recipe", "blockwise")}
+    runs["mxfp8"] = ("--recipe", "mxfp8", "--fp8-all-gather")
+    v = _val_losses(tmp_path, runs)
+    print("val loss after 100 steps: " + ", ".join(f"{k} {x:.4f}" for k, x in v.items()))
+    for name in ("blockwise", "mxfp8"):
+        assert math.isfinite(v[name]) and abs(v[name] - v["bf16"]) / v["bf16"] < 0.01, v
 
 
 def test_float8_reduce_scatter_val_loss_within_1_percent(tmp_path: Path) -> None:

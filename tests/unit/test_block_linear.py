@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_float8 import CastConfig, Float8LinearConfig, Float8Tensor, Gemm, Operand, sqnr_db
+from fsdp_float8 import (
+    CastConfig,
+    Float8LinearConfig,
+    Float8Tensor,
+    Gemm,
+    Operand,
+    _auto_filter_for_recipe,
+    sqnr_db,
+)
 from fsdp_float8.blocks import E8M0, block_amax, cast_to_float8_blocks, dequantize_blocks
 from fsdp_float8.config import OPERAND_GEMMS
 from fsdp_float8.linear import CastPlan
@@ -71,6 +79,8 @@ def test_cast_config_refusals_say_what_to_change(kwargs, match) -> None:
 
 
 def test_linear_config_refusals_for_blocks() -> None:
+    with pytest.raises(ValueError, match="pad_inner_dim=True pads K and N"):
+        Float8LinearConfig.blockwise(pad_inner_dim=True)
     with pytest.raises(ValueError, match="round_scales_to_power_of_2=False"):
         Float8LinearConfig.mxfp8(round_scales_to_power_of_2=False)
     tiles = CastConfig(scaling_granularity="blockwise", block_shape=(1, 128))
@@ -80,10 +90,12 @@ def test_linear_config_refusals_for_blocks() -> None:
         Float8LinearConfig.blockwise(
             cast_config_input_for_grad_weight=CastConfig(), save_input_in_float8=True
         )
-    for recipe in BLOCK_RECIPES:  # accepted as named
+    for recipe in BLOCK_RECIPES:  # accepted as named; torchao's size filter has no rule
         Float8LinearConfig.from_recipe_name(
             recipe, enable_fsdp_float8_all_gather=True, save_input_in_float8=True
         )
+        with pytest.raises(NotImplementedError, match=f"no size thresholds for '{recipe}'"):
+            _auto_filter_for_recipe(recipe, filter_fqns=[])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -182,3 +194,19 @@ def test_telemetry_reports_block_casts() -> None:
     assert (record["scale"], record["scale_max"]) == (scale.min().item(), scale.max().item())
     assert record["underflow"] == pytest.approx(sum(t.item() for t in tiles) / 2, abs=1e-7)
     assert tiles[0] > 0.1 and tiles[1] == 0
+
+
+@pytest.mark.parametrize("recipe", BLOCK_RECIPES)
+def test_fullgraph_compile_equals_eager(recipe) -> None:
+    """torch.compile(fullgraph=True) through dynamo and AOTAutograd (aot_eager, as
+    test_compile does for the other recipes): no graph break, the same bits as eager."""
+    import copy
+
+    torch._dynamo.reset()
+    config = Float8LinearConfig.from_recipe_name(recipe, save_input_in_float8=True)
+    eager = make_linear(config, in_features=IN, out_features=OUT)
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
+    x, grad_output = make_batch(torch.float32, seed=3, in_features=IN, out=OUT)
+    for a, b in zip(run_linear(eager, x, grad_output), run_linear(compiled, x, grad_output)):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

@@ -252,3 +252,39 @@ def test_swizzle_places_each_scale_where_the_blocked_layout_says() -> None:
             row, col = i % 128, j % 4
             pos = tile * 512 + (row % 32) * 16 + (row // 32) * 4 + col
             assert out[pos] == raw[i, j]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["fp32", "e8m0"])
+def test_block_payload_round_trips_the_scales_of_every_shard(scale_dtype) -> None:
+    """Two shards packed as the all-gather pre-hook packs them, concatenated as the
+    all-gather does: the post-hook's unpack gives the whole weight's data and scales."""
+    from fsdp_float8.weight_wrappers.block import (
+        pack_block_payload,
+        scale_columns,
+        unpack_block_scales,
+    )
+
+    weight = torch.randn(128, 96, generator=torch.Generator().manual_seed(6))
+    block, shards = (32, 32), weight.chunk(2)
+    pow2 = scale_dtype == E8M0
+    scales = [amax_to_scale(block_amax(s, block), E4M3, power_of_2=pow2) for s in shards]
+    datas = [
+        cast_to_float8_blocks(s, sc, block, E4M3).view(torch.uint8) for s, sc in zip(shards, scales)
+    ]
+    payloads = [pack_block_payload(d, sc, scale_dtype) for d, sc in zip(datas, scales)]
+    c = scale_columns(scales[0].numel(), 64, scale_dtype)  # 2 x 3 scales over 64 rows
+    assert payloads[0].shape == (64, 96 + c) and c == 1  # 24 or 6 bytes: 1 column
+    gathered = torch.cat(payloads)
+    got = unpack_block_scales(gathered, 96, 64, tuple(scales[0].shape), scale_dtype)
+    assert torch.equal(got, torch.cat(scales))
+    assert torch.equal(gathered[:, :96], torch.cat(datas))
+
+
+def test_block_shards_must_be_whole_blocks() -> None:
+    from fsdp_float8.weight_wrappers.block import check_block_shards
+
+    check_block_shards(256, 2, 128)
+    check_block_shards(200, 1, 128)  # one shard: any rows (a ragged last block)
+    for rows, shards in ((128, 2), (384, 4), (257, 2)):
+        with pytest.raises(ValueError, match=f"{rows} rows over {shards} shards"):
+            check_block_shards(rows, shards, 128)
