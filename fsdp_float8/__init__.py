@@ -34,6 +34,8 @@ from fsdp_float8.convert import (
     dims_divisible_by_16,
 )
 from fsdp_float8.delayed_state import export_state_dict
+from fsdp_float8.expert_modules import Float8FusedExperts, Float8GroupedExperts
+from fsdp_float8.experts import ExpertCastPlan, float8_grouped_mm
 from fsdp_float8.float8_ops import scaled_mm
 from fsdp_float8.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
 from fsdp_float8.fsdp import (
@@ -117,7 +119,10 @@ __all__ = [
     "DelayedFloat8Weight",
     "DelayedScalingConfig",
     "DynamicFloat8Weight",
+    "ExpertCastPlan",
+    "Float8FusedExperts",
     "Float8GemmConfig",
+    "Float8GroupedExperts",
     "Float8Linear",
     "Float8LinearConfig",
     "Float8LinearRecipeName",
@@ -131,6 +136,7 @@ __all__ = [
     "convert_to_float8_training",
     "dims_divisible_by_16",
     "export_state_dict",
+    "float8_grouped_mm",
     "hp_to_float8",
     "precompute_float8_dynamic_scale_for_fsdp",
     "scaled_mm",

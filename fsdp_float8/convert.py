@@ -6,6 +6,8 @@ the reason (`ConversionReport`, kept on the model as `model.float8_conversion_re
 Every refusal (a config that casts nothing, a layer already converted with another config,
 a tied weight under float8 all-gather) is raised from the plan, before any module changes.
 Then it swaps. A root nn.Linear is converted too, and the new module is returned.
+Mixture-of-experts modules (3-D expert weights, `fsdp_float8.expert_modules`) are planned
+and reported the same way, as experts converted or skipped with the reason.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_float8 import expert_modules
 from fsdp_float8.config import Float8LinearConfig
 from fsdp_float8.fsdp import install_refresh_hook
 from fsdp_float8.linear import Float8Linear
@@ -27,10 +30,15 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 class ConversionReport:
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    experts_converted: list[str] = field(default_factory=list)
+    experts_skipped: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"float8: converted {len(self.converted)} linear layers"]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        if self.experts_converted or self.experts_skipped:
+            lines.append(f"float8: converted {len(self.experts_converted)} expert modules")
+            lines += [f"  skipped experts {n}: {why}" for n, why in self.experts_skipped.items()]
         return "\n".join(lines)
 
 
@@ -44,7 +52,8 @@ class _Swap:
     parent: nn.Module | None  # None for a root nn.Linear
     name: str
     fqn: str
-    linear: nn.Linear
+    linear: nn.Module  # an nn.Linear, or an experts module (expert swaps)
+    config: Float8LinearConfig | None = None  # expert swaps: the experts' config
 
 
 def convert_to_float8_training(
@@ -52,6 +61,8 @@ def convert_to_float8_training(
     *,
     config: Float8LinearConfig | None = None,
     module_filter_fn: ModuleFilter | None = None,
+    expert_config: Float8LinearConfig | None = None,
+    expert_filter_fn: ModuleFilter | None = None,
 ) -> nn.Module:
     """Swap every nn.Linear that the filter accepts for a Float8Linear, in place, and
     return the model (for a root nn.Linear: the new Float8Linear).
@@ -59,7 +70,10 @@ def convert_to_float8_training(
     The filter gets `(module, fully_qualified_name)` (the root's name is ""). Without one,
     linears whose dims are not multiples of 16 are skipped (unless `config.pad_inner_dim`).
     With `config.enable_fsdp_float8_all_gather`, each converted weight is wrapped so that
-    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). A forward pre-hook on
+    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). Experts modules
+    (torchtitan-style w1/w2/w3 or transformers gate_up_proj/down_proj) are swapped for float8
+    experts with `expert_config` (default: `config`) where `expert_filter_fn` accepts them
+    (default: all), and reported (`report.experts_converted` / `experts_skipped`). A forward pre-hook on
     the returned model refreshes precomputed weight scales and delayed-scaling state before
     each forward when an optimizer step made them stale (`fsdp_float8.fsdp.refresh`).
     """
@@ -78,6 +92,8 @@ def convert_to_float8_training(
         _plan_children(model, "", config, module_filter_fn, report, plan)
     if config.enable_fsdp_float8_all_gather:
         _refuse_tied_weights(model, plan, module_filter_fn)
+    expert_plan: list[_Swap] = []
+    _plan_experts(model, "", expert_config or config, expert_filter_fn, report, expert_plan)
     for swap in plan:
         new = _to_float8(swap.linear, config)
         if swap.parent is None:
@@ -85,6 +101,9 @@ def convert_to_float8_training(
         else:
             setattr(swap.parent, swap.name, new)
         report.converted.append(swap.fqn)
+    for swap in expert_plan:
+        setattr(swap.parent, swap.name, expert_modules.to_float8_experts(swap.linear, swap.config))
+        report.experts_converted.append(swap.fqn)
     model.float8_conversion_report = report
     if report.converted:
         install_refresh_hook(model)  # the float8 step: no float8 call in the training loop
@@ -101,6 +120,22 @@ def _plan_children(parent, prefix, config, module_filter_fn, report, plan) -> No
         _plan_children(child, fqn, config, module_filter_fn, report, plan)
         if isinstance(child, nn.Linear):
             _plan_linear(_Swap(parent, name, fqn, child), config, module_filter_fn, report, plan)
+
+
+def _plan_experts(parent, prefix, config, filter_fn, report, plan) -> None:
+    """Experts modules (3-D parameters) below `parent`: planned for a swap or skipped."""
+    for name, child in list(parent.named_children()):
+        fqn = f"{prefix}.{name}" if prefix else name
+        if not (expert_modules.expert_layout(child) or expert_modules.has_3d_parameters(child)):
+            _plan_experts(child, fqn, config, filter_fn, report, plan)
+            continue
+        why = expert_modules.skip_reason(child, config)
+        if why is None and filter_fn is not None and not filter_fn(child, fqn):
+            why = "rejected by expert_filter_fn"
+        if why:
+            report.experts_skipped[fqn] = why
+        else:
+            plan.append(_Swap(parent, name, fqn, child, config))
 
 
 def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:

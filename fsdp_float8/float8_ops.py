@@ -129,7 +129,8 @@ def _as_strided(func, args, kwargs):
     t, size = args[0], list(args[1])
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     scale = t._scale
-    per_row = scale.dim() == 2 and scale.shape[1] == 1
+    # per row: (rows, 1), or (E, out, 1) for a 3-D expert weight
+    per_row = scale.dim() == t._data.dim() >= 2 and scale.shape[-1] == 1
     if (per_row or t._block is not None) and size == list(t.shape) and not offset:
         # nothing to cut: keep the data's strides (the rowwise and block all-gather outputs
         # have the scales' bytes between rows, so the data is not contiguous)

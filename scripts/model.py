@@ -6,6 +6,9 @@ Each block is pre-norm residual:
     h = x + attention(attention_norm(x))      # q/k/v/o linears, RoPE, GQA, causal SDPA
     out = h + feed_forward(ffn_norm(h))       # SwiGLU: w2(silu(w1(x)) * w3(x))
 
+With ``ModelArgs.moe`` set, ``feed_forward`` is a mixture of experts (``scripts.moe.MoE``:
+router, grouped 3-D expert weights, optional shared expert, load-balancing loss).
+
 Every matmul is a bias-free ``nn.Linear`` (the layers the float8 conversion swaps); the
 embedding, the norms and the output head are ordinary modules. ``Transformer.blocks`` is an
 ``nn.ModuleList`` so FSDP2 can ``fully_shard`` each block and then the root.
@@ -37,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scripts.moe import MoE, MoEArgs
+
 __all__ = [
     "PRESETS",
     "Attention",
@@ -67,6 +72,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    moe: MoEArgs | None = None  # None: dense SwiGLU feed-forward in every block
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -107,6 +113,15 @@ class ModelArgs:
 PRESETS: dict[str, ModelArgs] = {
     # ~3.3M parameters, byte-level; every linear dim is a multiple of 16 (float8 GEMMs).
     "tiny": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
+    # the tiny shape with a MoE feed-forward: 8 experts, top-2, a shared expert (~9.6M)
+    "moe_tiny": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=1024,
+        moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=256, shared_expert_hidden_dim=256),
+    ),
     # ~38M parameters, byte-level.
     "small": ModelArgs(dim=512, n_layers=12, n_heads=8, n_kv_heads=4, max_seq_len=2048),
     # Llama-3 shapes (no rope frequency scaling): ffn hidden 14336 and 28672.
@@ -131,6 +146,33 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_dim_multiplier=1.3,
         rope_theta=500000.0,
         max_seq_len=8192,
+    ),
+    # GPU shapes. DeepSeek-V3-like (scaled down to a single node: sigmoid router, fine
+    # experts, a shared expert): 64 experts top-6, expert hidden 1408, shared 2816.
+    "deepseek_v3_like": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        vocab_size=129280,
+        max_seq_len=4096,
+        moe=MoEArgs(
+            n_experts=64,
+            top_k=6,
+            hidden_dim=1408,
+            score_fn="sigmoid",
+            shared_expert_hidden_dim=2816,
+        ),
+    ),
+    # Qwen3-30B-A3B's shape: 128 experts top-8, expert hidden 768, softmax router, GQA.
+    "qwen3_moe_like": ModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_seq_len=4096,
+        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
     ),
 }
 
@@ -231,7 +273,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        if args.moe is None:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        else:
+            self.feed_forward = MoE(args.dim, args.moe)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -302,7 +347,9 @@ def _initial_value(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int
         std = args.dim**-0.5
         return _trunc_normal(shape, std, generator)
     std = 0.02
-    if name.endswith((".wo.weight", ".w2.weight")):  # residual-stream writers: depth-scaled
+    if name.endswith(
+        (".wo.weight", ".w2.weight", ".experts.w2")
+    ):  # residual-stream writers: depth-scaled
         std = 0.02 / math.sqrt(2 * args.n_layers)
     return _trunc_normal(shape, std, generator)
 
@@ -336,15 +383,21 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def param_count(args: ModelArgs, *, exclude_embedding: bool = True) -> int:
+def param_count(args: ModelArgs, *, exclude_embedding: bool = True, active: bool = False) -> int:
     """Parameters of ``Transformer(args)`` from the shapes alone (no model needed).
 
     With ``exclude_embedding`` the token embedding is left out but the output head is
     counted even when tied, since its matmul runs either way (this is the N of 6N).
+    ``active``: a MoE block counts only the ``top_k`` experts a token runs through.
     """
     kv_dim = args.kv_heads * args.head_dim
     attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
     mlp = 3 * args.dim * args.ffn_hidden_dim
+    if args.moe is not None:
+        m = args.moe
+        experts = m.top_k if active else m.n_experts
+        mlp = 3 * args.dim * (experts * m.hidden_dim + m.shared_expert_hidden_dim)
+        mlp += m.n_experts * args.dim  # router
     per_block = attention + mlp + 2 * args.dim
     total = args.n_layers * per_block + args.dim + args.vocab_size * args.dim
     if not exclude_embedding and not args.tie_embeddings:
@@ -371,4 +424,4 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward): ``6 N + 12 L d T``; see module doc."""
     if seq_len <= 0:
         raise ValueError(f"seq_len={seq_len}; expected a positive int")
-    return 6 * param_count(args) + 12 * args.n_layers * args.dim * seq_len
+    return 6 * param_count(args, active=True) + 12 * args.n_layers * args.dim * seq_len

@@ -250,6 +250,9 @@ class Float8WeightWrapper(torch.Tensor):
         scale = self.float8_scale(mesh)
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
+        # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
+        mid = tuple(outer_size[1:-1])
+        meta = (self.float8_dtype, self._config.emulate, mid)
         if self.rowwise:
             if outer_size[0] % mesh.size() != 0:  # every rank sees this: no rank hangs
                 raise ValueError(
@@ -263,24 +266,24 @@ class Float8WeightWrapper(torch.Tensor):
             # the collective and hands the post-hook only the first input; and the scales
             # then live in FSDP2's all-gather output, so on CUDA no tensor made on the
             # copy-in stream outlives it.
+            rows = data.reshape(-1, data.shape[-1])
             scale_bytes = scale.reshape(-1, 1).view(torch.uint8)
-            return (torch.cat([data, scale_bytes], dim=1),), (
-                None,
-                self.float8_dtype,
-                self._config.emulate,
-            )
+            return (torch.cat([rows, scale_bytes], dim=1),), (None, *meta)
         if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
-            data = F.pad(data, (0, 0, 0, padded_rows - data.shape[0]))
+            padding = [0, 0] * (data.dim() - 1) + [0, padded_rows - data.shape[0]]
+            data = F.pad(data, padding)
         # The tensorwise scale (the same on every rank) stays metadata: under uneven
         # sharding FSDP2 demands every input at exactly the padded shard size, so the data
         # leaves no room for it. See fsdp_post_all_gather for its CUDA lifetime.
-        return (data,), (scale, self.float8_dtype, self._config.emulate)
+        return (data,), (scale, *meta)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        gathered_scale, float8_dtype, emulate = metadata
+        gathered_scale, float8_dtype, emulate, mid = metadata
         if self.rowwise:
             gathered = all_gather_outputs[0]
             data, scale = _split_row_scales(gathered, float8_dtype)
+            if mid:  # 3-D expert weight: (E * out, in) rows back to (E, out, in)
+                data, scale = data.view(-1, *mid, data.shape[-1]), scale.view(-1, *mid, 1)
             if out is None:
                 # FSDP2 frees and re-allocates the storage of these around each use, sized
                 # by their numel: the whole gathered buffer, not the strided views of it

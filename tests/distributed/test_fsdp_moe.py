@@ -1,0 +1,155 @@
+"""FSDP2 + float8 all-gather of 3-D expert weights (issue 14), on gloo.
+
+A small MoE transformer (scripts.model with a MoEArgs feed-forward) whose experts alone are
+float8 (the linears stay fp32, so the expert bytes stand out), trained for 6 steps:
+- losses equal, step by step, to a replicated single-process float8 reference with
+  hand-averaged gradients (same seed, the same local batch: rowwise and grad_weight scales
+  depend on which tokens a rank holds, so the reference holds the same ones);
+- forward all-gather bytes = 1 per expert weight element plus 4 per expert row for rowwise
+  (the row scales ride in the same payload), 4 per element for the fp32 rest; no amax
+  all-reduce for rowwise experts;
+- shard size 1 (HSDP (2, 1): FSDP2 skips the all-gather), uneven experts (3 on 2 ranks) with
+  tensorwise, and the refusal of uneven rowwise on every rank (no hang).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
+from fsdp_float8.comm_stats import CollectiveCounter
+from scripts.model import Transformer, model_args
+from scripts.moe import MoEArgs, moe_aux_loss
+from tests.distributed.launcher import DistributedError, cpu_mesh, run_distributed
+
+
+@dataclass(frozen=True)
+class MoECase:
+    recipe: str = "rowwise"
+    n_experts: int = 4
+    mesh: tuple[int, ...] = (2,)  # (2,): FSDP over 2; (2, 1): HSDP, shard size 1
+    steps: int = 6
+
+
+def _model(case: MoECase) -> Transformer:
+    moe = MoEArgs(n_experts=case.n_experts, top_k=2, hidden_dim=32)
+    args = model_args("moe_tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, moe=moe)
+    model = Transformer(args)
+    model.init_weights(0)
+    config = Float8LinearConfig.from_recipe_name(
+        case.recipe, emulate=True, enable_fsdp_float8_all_gather=True
+    )
+    no_linears = lambda m, fqn: False  # only the experts in float8
+    return convert_to_float8_training(model, config=config, module_filter_fn=no_linears)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 256, (2, 17), generator=g)
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    return ce + moe_aux_loss(model)
+
+
+def _expected_forward_bytes(model, shards: int, rowwise: bool) -> int:
+    total = 0
+    for name, p in model.named_parameters():
+        rows = math.ceil(p.shape[0] / shards)
+        numel = rows * math.prod(p.shape[1:])
+        if ".experts." in name:
+            total += numel + (4 * rows * p.shape[1] if rowwise else 0)
+        else:
+            total += 4 * numel
+    return total
+
+
+def _train_fsdp(case: MoECase, rank: int):
+    names = ("replicate", "shard") if len(case.mesh) == 2 else ("shard",)
+    mesh = cpu_mesh(case.mesh, names)
+    model = _model(case)
+    expected = _expected_forward_bytes(model, case.mesh[-1], case.recipe == "rowwise")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, counts = [], []
+    for step in range(case.steps):
+        with CollectiveCounter() as fwd:
+            loss = _loss(model, _batch(step, rank))
+        with CollectiveCounter() as bwd:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        counts.append((fwd.bytes("all_gather"), fwd.count("all_reduce"), bwd.count("all_reduce")))
+    return losses, counts, expected
+
+
+def _train_reference(case: MoECase, rank: int, world_size: int) -> list[float]:
+    model = _model(case)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(case.steps):
+        loss = _loss(model, _batch(step, rank))
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _grid(rank: int, world_size: int, cases: list[MoECase]):
+    return [(_train_fsdp(c, rank), _train_reference(c, rank, world_size)) for c in cases]
+
+
+ROWWISE = MoECase()
+HSDP = MoECase(mesh=(2, 1))
+TENSORWISE_UNEVEN = MoECase(recipe="tensorwise", n_experts=3)
+CASES = [ROWWISE, HSDP, TENSORWISE_UNEVEN]
+
+
+def test_fsdp_float8_experts_match_reference_and_send_one_byte(tmp_path):
+    results = run_distributed(_grid, 2, tmp_path, CASES, timeout_s=300)
+    for rank, per_case in enumerate(results):
+        for case, ((losses, counts, expected), ref) in zip(CASES, per_case):
+            # exact: the same casts on the same local tokens; 2-rank sums are order-free
+            assert losses == ref, (case, rank, losses, ref)
+            fwd_bytes = {b for b, _, _ in counts}
+            if case.mesh == (2,):
+                assert fwd_bytes == {expected}, (case, fwd_bytes, expected)
+            else:  # shard size 1: FSDP2 gathers nothing
+                assert fwd_bytes == {0}, (case, fwd_bytes)
+            # amax all-reduces: none for rowwise; backward re-gathers (reshard after forward);
+            # HSDP's backward all-reduces are its gradients across the replicas (3 groups)
+            fwd_ar, bwd_ar = {c[1] for c in counts}, {c[2] for c in counts}
+            if case.recipe == "rowwise":
+                assert fwd_ar == {0} and bwd_ar == ({0} if case.mesh == (2,) else {3}), counts
+            else:  # tensorwise without precompute: one per expert weight per all-gather
+                assert fwd_ar == {3 * 2} and bwd_ar == {3 * 2}, counts
+
+
+def _uneven_rowwise(rank: int, world_size: int):
+    case = MoECase(n_experts=3)
+    mesh = cpu_mesh(world_size)
+    model = _model(case)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _loss(model, _batch(0, rank))
+
+
+def test_uneven_rowwise_experts_are_refused_on_every_rank(tmp_path):
+    with pytest.raises(DistributedError, match="rowwise float8 all-gather of a weight with 3 rows"):
+        run_distributed(_uneven_rowwise, 2, tmp_path, timeout_s=120)
