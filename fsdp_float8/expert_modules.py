@@ -26,7 +26,7 @@ from torch import nn
 
 from fsdp_float8.config import Float8LinearConfig
 from fsdp_float8.experts import ExpertCastPlan, check_expert_config, float8_grouped_mm
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 
 _TITAN = ("w1", "w2", "w3")
 _FUSED = ("gate_up_proj", "down_proj")
@@ -95,6 +95,9 @@ class Float8ExpertsBase(nn.Module):
         for name in self.weight_names:
             setattr(self, name, getattr(source, name))  # shared, not copied
         self.num_experts = getattr(source, self.weight_names[0]).shape[0]
+        # as Float8Linear: checkpoints hold plain tensors; a load (assign=True) re-wraps
+        self._register_state_dict_hook(_plain_weights_in_state_dict)
+        self.register_load_state_dict_post_hook(lambda m, keys: m.wrap_weights_for_fsdp())
         self.wrap_weights_for_fsdp()
 
     def wrap_weights_for_fsdp(self) -> None:
@@ -115,6 +118,15 @@ class Float8ExpertsBase(nn.Module):
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={tuple(getattr(self, n).shape)}" for n in self.weight_names)
         return f"{shapes}, fsdp_float8_all_gather={self.config.enable_fsdp_float8_all_gather}"
+
+
+def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    for name in module.weight_names:
+        key = prefix + name
+        if key in state_dict:
+            value, weight = state_dict[key], getattr(module, name)
+            own = plain_weight(weight)
+            state_dict[key] = own if value is weight else own.detach()
 
 
 class Float8GroupedExperts(Float8ExpertsBase):

@@ -100,6 +100,12 @@ def float8_filter(skip_patterns: list[str]):
     return accept
 
 
+def expert_filter(skip_patterns: list[str]):
+    """Convert every experts module (MoE presets) except those matching a ``--float8-skip``
+    glob; the conversion report says why any other is skipped."""
+    return lambda module, fqn: not any(fnmatch.fnmatchcase(fqn, p) for p in skip_patterns)
+
+
 def describe(a: argparse.Namespace) -> str:
     """One line naming the configuration, e.g. 'tensorwise/dynamic fp8-all-gather bf16'."""
     if a.recipe == "off":

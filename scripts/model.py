@@ -113,7 +113,7 @@ class ModelArgs:
 PRESETS: dict[str, ModelArgs] = {
     # ~3.3M parameters, byte-level; every linear dim is a multiple of 16 (float8 GEMMs).
     "tiny": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
-    # the tiny shape with a MoE feed-forward: 8 experts, top-2, a shared expert (~9.6M)
+    # the tiny shape with a MoE feed-forward: 8 experts, top-2, a shared expert (8.0M)
     "moe_tiny": ModelArgs(
         dim=256,
         n_layers=4,

@@ -126,3 +126,20 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 def tokens_per_expert(model: nn.Module) -> list[list[int]]:
     """Per MoE block, the routed slots each expert got in the last forward (this rank)."""
     return [m.tokens_per_expert.tolist() for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_fields(model: nn.Module) -> dict:
+    """Metrics of the last forward for a MoE model ({} otherwise), this rank's tokens:
+    `moe_aux_loss` (weighted, as added to the loss), `expert_load_max_over_mean` (the
+    busiest expert's routed slots over the mean, worst block; 1.0 is perfect balance) and
+    `tokens_per_expert` (per block)."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.tokens_per_expert is not None]
+    if not blocks:
+        return {}
+    counts = [m.tokens_per_expert.float() for m in blocks]
+    imbalance = max((c.max() / c.mean().clamp(min=1e-9)).item() for c in counts)
+    return {
+        "moe_aux_loss": moe_aux_loss(model).item(),
+        "expert_load_max_over_mean": imbalance,
+        "tokens_per_expert": tokens_per_expert(model),
+    }

@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training, enable_float8_reduce_scatter
-from scripts.float8_flags import float8_filter
+from scripts.float8_flags import expert_filter, float8_filter
 from scripts.model import Transformer, model_args
 from scripts.process_group import Dist
 
@@ -43,7 +43,10 @@ def build_model(
     report = None
     if config is not None:
         convert_to_float8_training(
-            model, config=config, module_filter_fn=float8_filter(args.float8_skip)
+            model,
+            config=config,
+            module_filter_fn=float8_filter(args.float8_skip),
+            expert_filter_fn=expert_filter(args.float8_skip),
         )
         report = model.float8_conversion_report
     _wrap_blocks(model, args)
@@ -71,12 +74,13 @@ def _wrap_blocks(model: Transformer, args: argparse.Namespace) -> None:
 
 
 def conversion_counts(model: nn.Module, report) -> dict[str, int]:
-    """Global parameter counts: float8-converted linear weights vs everything else."""
+    """Global parameter counts: float8-converted linear and expert weights vs the rest."""
     names = set(report.converted) if report is not None else set()
+    experts = set(report.experts_converted) if report is not None else set()
     converted = other = 0
     for fqn, p in model.named_parameters():
         fqn = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if fqn.removesuffix(".weight") in names:
+        if fqn.removesuffix(".weight") in names or fqn.rpartition(".")[0] in experts:
             converted += p.numel()
         else:
             other += p.numel()

@@ -62,6 +62,7 @@ from scripts.data import (
 )
 from scripts.float8_flags import describe, float8_config
 from scripts.model import flops_per_token, num_params
+from scripts.moe import moe_aux_loss, moe_fields
 from scripts.optimizer import build_optimizer, build_scheduler
 from scripts.process_group import Dist, collective_failure_message, init_distributed
 from scripts.rank_exit import enable_crash_traces, exit_rank
@@ -179,7 +180,9 @@ class Trainer:
 
     def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs.to(self.d.device))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.d.device).flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.d.device).flatten())
+        aux = moe_aux_loss(self.model)  # MoE presets: the load-balancing loss joins the loss
+        return loss if aux is None else loss + aux
 
     def train_step(self, step: int, stop: GracefulStop) -> tuple[dict, bool]:
         """One optimizer step; returns its metrics record and whether to stop after it."""
@@ -235,6 +238,7 @@ class Trainer:
             **comm_fields(counter),
             "peak_memory_bytes": peak_memory_bytes(self.d.device),
             "mfu": mfu,
+            **moe_fields(self.model),
         }
 
     # ---- validation and checkpoints ----------------------------------------------------

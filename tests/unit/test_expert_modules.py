@@ -10,7 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_float8 import Float8LinearConfig, convert_to_float8_training, sqnr_db
+from fsdp_float8 import (
+    DynamicFloat8Weight,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    sqnr_db,
+)
 from fsdp_float8.expert_modules import Float8FusedExperts, Float8GroupedExperts
 from fsdp_float8.numerics import SQNR_DB
 from scripts.model import Transformer, model_args
@@ -188,3 +193,13 @@ def test_fused_experts_drop_the_not_routed_marker():
     for name in ("gate_up_proj", "down_proj"):
         want, got = getattr(ref_experts, name).grad, getattr(float8, name).grad
         assert sqnr_db(want, got) >= SQNR_DB["linear_grad_weight"], name
+
+
+def test_float8_all_gather_experts_keep_plain_tensors_in_the_state_dict():
+    config = Float8LinearConfig.from_recipe_name("rowwise", enable_fsdp_float8_all_gather=True)
+    float8 = Float8GroupedExperts.from_experts(GroupedExperts(64, 32, 4), config)
+    assert isinstance(float8.w1, DynamicFloat8Weight) and isinstance(float8.w1, nn.Parameter)
+    state = float8.state_dict()
+    assert all(type(v) is torch.Tensor for v in state.values()), {type(v) for v in state.values()}
+    float8.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    assert isinstance(float8.w2, DynamicFloat8Weight)  # re-wrapped after assign=True
