@@ -34,7 +34,13 @@ from fsdp_float8.grouped_mm import (
     grouped_scaled_mm,
     per_row,
 )
-from fsdp_float8.scaling import Axiswise, DynamicScaling, amax_to_scale, cast_to_float8_data
+from fsdp_float8.scaling import (
+    Axiswise,
+    DynamicScaling,
+    Tensorwise,
+    amax_to_scale,
+    cast_to_float8_data,
+)
 
 _CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
 GROUPS = "groups"  # the grad_weight operands: per expert, along its tokens
@@ -79,6 +85,14 @@ def check_expert_config(config: Float8LinearConfig) -> None:
     """Expert GEMMs scale dynamically (tensorwise or rowwise): refuse the rest up front."""
     for op, gemm in _CASTS:
         strategy = config.strategy(op, gemm)
+        granularity = getattr(strategy, "granularity", None)
+        if strategy is not None and not isinstance(granularity, (Tensorwise, Axiswise)):
+            raise ValueError(
+                f"block-scaled float8 expert GEMMs are not supported yet; {op.value} for "
+                f"{gemm.value} has {granularity}. Give the experts a tensorwise or rowwise "
+                "recipe: convert_to_float8_training(model, config=..., expert_config="
+                "Float8LinearConfig.from_recipe_name('rowwise'))"
+            )
         if strategy is not None and not isinstance(strategy, DynamicScaling):
             raise ValueError(
                 f"float8 expert GEMMs scale dynamically only; {op.value} for {gemm.value} is "

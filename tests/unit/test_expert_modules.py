@@ -107,6 +107,9 @@ def test_unknown_3d_layout_and_refused_configs_are_reported():
     assert "scale dynamically only" in model.float8_conversion_report.experts_skipped["moe.experts"]
     convert_to_float8_training(model, config=delayed, expert_config=ROWWISE)
     assert model.float8_conversion_report.experts_converted == ["moe.experts"]
+    model = nn.ModuleDict({"moe": MoE(64, MoEArgs(n_experts=4, hidden_dim=128))})
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("blockwise"))
+    assert "block-scaled" in model.float8_conversion_report.experts_skipped["moe.experts"]
 
 
 def _delayed():

@@ -177,3 +177,11 @@ def test_cuda_grouped_gemm_is_not_claimed_on_cpu():
 
     assert not scaled_grouped_mm_available(torch.device("cpu"))
     assert grouped_mm_available("cpu") == hasattr(torch, "_grouped_mm")
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_refuses_block_scaled_expert_casts(recipe):
+    """Block scales (1x128, MX 1x32) are not implemented for experts: refused, not misread."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    with pytest.raises(ValueError, match="block-scaled float8 expert GEMMs are not supported"):
+        ExpertCastPlan.from_config(config)
