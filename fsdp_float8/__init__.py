@@ -46,6 +46,8 @@ from fsdp_float8.linear import Float8Linear
 from fsdp_float8.numerics import sqnr_db
 from fsdp_float8.recipes import _auto_filter_for_recipe
 from fsdp_float8.telemetry import Float8Telemetry
+from fsdp_float8.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+from fsdp_float8.tensor_parallel_input import PrepareFloat8ModuleInput
 from fsdp_float8.weight_wrappers import (
     BlockFloat8Weight,
     DelayedFloat8Weight,
@@ -121,15 +123,18 @@ __all__ = [
     "DynamicFloat8Weight",
     "ExpertCastPlan",
     "Float8FusedExperts",
+    "Float8ColwiseParallel",
     "Float8GemmConfig",
     "Float8GroupedExperts",
     "Float8Linear",
     "Float8LinearConfig",
     "Float8LinearRecipeName",
+    "Float8RowwiseParallel",
     "Float8Telemetry",
     "Float8Tensor",
     "Gemm",
     "Operand",
+    "PrepareFloat8ModuleInput",
     "ScalingGranularity",
     "ScalingType",
     "StaticFloat8Weight",

@@ -57,3 +57,28 @@ def gather_rows(payload: torch.Tensor, group: Group) -> torch.Tensor:
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(out, payload.contiguous(), group=pg)
     return out.view(n, payload.numel())
+
+
+def shard_group(param: torch.Tensor, dims: tuple[int, ...] | None, default: Group) -> Group:
+    """Where an amax over `dims` of a parameter's local shard must be reduced: the mesh dims
+    of its DTensor whose placement shards one of `dims` (None: all dims, a tensorwise amax).
+    `default` when `param` is not a DTensor. None when no mesh dim shards them (the amax is
+    local, e.g. per-row scales of a weight sharded by rows only)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return default
+    mesh = param.device_mesh
+    hit = [
+        i
+        for i, p in enumerate(param.placements)
+        if p.is_shard() and (dims is None or p.dim % param.ndim in [d % param.ndim for d in dims])
+    ]
+    if not hit:
+        return None
+    if len(hit) == 1:
+        return mesh.get_group(hit[0])
+    names = mesh.mesh_dim_names
+    if len(hit) == mesh.ndim or names is None:
+        return mesh  # the whole mesh: its other dims replicate the values, MAX is the same
+    return mesh[tuple(names[i] for i in hit)]

@@ -140,11 +140,13 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan) -> None:
 
 def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:
     child, fqn = swap.linear, swap.fqn
-    if isinstance(child.weight, DTensor):
+    if isinstance(child.weight, DTensor) and not isinstance(child, Float8Linear):
         raise ValueError(
-            f"{fqn or 'the root'}.weight is already a DTensor: convert_to_float8_training must "
-            "run before fully_shard (build the model, convert it, then fully_shard the "
-            "blocks and the root)"
+            f"{fqn or 'the root'}.weight is already a DTensor {child.weight.placements}: "
+            "convert_to_float8_training must run before fully_shard and parallelize_module "
+            "(build the model, convert it, apply the tensor-parallel plan with "
+            "fsdp_float8.tensor_parallel's float8 styles, then fully_shard the blocks and "
+            "the root)"
         )
     why = _skip_reason(child, fqn, config, module_filter_fn)
     if why is None and isinstance(child, Float8Linear):

@@ -3,7 +3,10 @@
 One autograd function runs them all. Each operand is cast once per GEMM it enters, as
 `Float8LinearConfig` says (a cast shared by two GEMMs is done once and transposed); a
 disabled cast leaves that GEMM in high precision. A weight that arrives already as a
-`Float8Tensor` (the FSDP2 float8 all-gather) is used as it is, in forward and backward.
+`Float8Tensor` (the FSDP2 float8 all-gather) is used as it is, in forward and backward;
+so is an input (tensor parallel's float8 all-gather of a sequence-parallel activation).
+Under tensor parallelism the weight is a DTensor and the layer runs on local tensors
+(`fsdp_float8.tensor_parallel`).
 
 Memory: backward keeps the weight parameter itself (FSDP2 frees and re-gathers it around
 backward as it does for bf16) and the high-precision input, or the float8 input with
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_float8.config import (
     CONTRACTION_DIM,
@@ -155,16 +159,21 @@ def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
-        x2 = x.reshape(-1, x.shape[-1])
-        x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
+        if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
+            x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
+        else:
+            x2 = x.reshape(-1, x.shape[-1])
+            x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
+            saved_x = (x2, None)
+            if save_input_in_float8:  # blocks: tiles along the token dim, cast here from hp
+                shared = _shared(plan, Operand.INPUT)
+                saved_x = (
+                    x_fp8
+                    if shared
+                    else cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+                )
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype)
-        saved_x = (x2, None)
-        if save_input_in_float8:  # blocks: tiles along the token dim, cast here from hp
-            shared = _shared(plan, Operand.INPUT)
-            saved_x = (
-                x_fp8 if shared else cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
-            )
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
@@ -270,8 +279,6 @@ class Float8Linear(nn.Linear):
         builds or reloads the layer ends here (idempotent; the storage is shared)."""
         if not self.config.enable_fsdp_float8_all_gather:
             return
-        from torch.distributed.tensor import DTensor
-
         weight = self.weight
         if isinstance(weight, DTensor):
             if not isinstance(weight._local_tensor, Float8WeightWrapper):
@@ -294,20 +301,25 @@ class Float8Linear(nn.Linear):
         return self.config.cast_config_grad_output.scaling_type
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel.py)
+            from fsdp_float8.tensor_parallel import local_parameters
+
+            weight, bias = local_parameters(self, x)
         if self.config.enable_fsdp_float8_all_gather:
-            _require_float8_weight(self.weight)
+            _require_float8_weight(weight)
         _check_input_dtype(x)
-        if torch.is_autocast_enabled(x.device.type):
+        if torch.is_autocast_enabled(x.device.type) and not isinstance(x, Float8Tensor):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         with torch.autocast(x.device.type, enabled=False):
             delayed = self.delayed_scaling
             training = self.training and torch.is_grad_enabled()
             states = delayed.views(training) if delayed is not None else {}
             out = _Float8LinearFn.apply(
-                x, self.weight, self.plan, states, self.config.save_input_in_float8
+                x, weight, self.plan, states, self.config.save_input_in_float8
             )
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
         return out
 
     def extra_repr(self) -> str:

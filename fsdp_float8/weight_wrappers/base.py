@@ -32,8 +32,10 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from fsdp_float8.amax_sync import shard_group
 from fsdp_float8.config import Float8LinearConfig, Gemm, Operand, ScalingGranularity
 from fsdp_float8.float8_tensor import Float8Tensor
 from fsdp_float8.scaling import cast_to_float8_data
@@ -247,7 +249,13 @@ class Float8WeightWrapper(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
-        scale = self.float8_scale(mesh)
+        # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
+        # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
+        sharded = getattr(module, "weight", None)
+        if self.rowwise:
+            scale = self.float8_scale(shard_group(sharded, (1,), None))
+        else:
+            scale = self.float8_scale(shard_group(sharded, None, mesh))
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
         # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
@@ -279,6 +287,8 @@ class Float8WeightWrapper(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         gathered_scale, float8_dtype, emulate, mid = metadata
+        if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
+            out = out._local_tensor
         if self.rowwise:
             gathered = all_gather_outputs[0]
             data, scale = _split_row_scales(gathered, float8_dtype)

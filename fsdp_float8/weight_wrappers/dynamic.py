@@ -7,7 +7,8 @@ every in-place op on the wrapper or its aliases), so a forgotten precompute cost
 collective, never a stale scale. Otherwise: the local shard's amax,
 all-reduced over the shard mesh (one small collective for this weight).
 Rowwise (axiswise) weights scale each output row by its own amax: local to the dim-0 shard,
-so they need neither collective nor precompute.
+so they need neither collective nor precompute (`mesh` is then None), except under
+row-parallel tensor parallelism, whose TP shards split each row (`mesh`: the TP group).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class DynamicFloat8Weight(Float8WeightWrapper):
 
     def float8_scale(self, mesh) -> torch.Tensor:
         pow2 = self._config.round_scales_to_power_of_2
-        if self.rowwise:  # per output row: the shard has all it needs, no collective
-            amax = axis_amax(self._tensor, -1)
+        if self.rowwise:  # per output row: no collective unless tensor parallel splits rows
+            amax = all_reduce_amax_(axis_amax(self._tensor, -1), mesh)
             return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)
         precomputed = self.fresh_stamped_scale()
         if precomputed is not None:
