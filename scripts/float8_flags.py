@@ -119,5 +119,7 @@ def describe(a: argparse.Namespace) -> str:
     parts.append(a.mixed_precision)
     if a.hsdp_replicate > 1:
         parts.append(f"hsdp-replicate={a.hsdp_replicate}")
+    if getattr(a, "tp", 1) > 1:
+        parts.append(f"tp={a.tp}")
     parts += [flag for flag in ("activation_checkpointing", "compile") if getattr(a, flag)]
     return " ".join(parts)

@@ -24,21 +24,41 @@ DEFAULT_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class Dist:
-    """Where this process sits: rank, world size, device and the data-parallel mesh."""
+    """Where this process sits: rank, world size, device, the data-parallel mesh (what
+    ``fully_shard`` shards over) and, with ``--tp N > 1``, the tensor-parallel mesh (the
+    innermost dim of one mesh, so the N ranks of a TP group are consecutive)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def tp(self) -> int:
+        return 1 if self.tp_mesh is None else self.tp_mesh.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of a TP group read the same batch."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
+
+    def mesh_shape(self) -> dict[str, int]:
+        shape = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        return shape | ({"tp": self.tp} if self.tp_mesh is not None else {})
+
 
 def init_distributed(
-    device_type: str, hsdp_replicate: int, *, timeout_s: float = DEFAULT_TIMEOUT_S
+    device_type: str, hsdp_replicate: int, *, tp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Dist:
     """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
 
@@ -70,8 +90,8 @@ def init_distributed(
     else:
         dist.init_process_group(backend, device_id=device_id, timeout=timeout)
     world = dist.get_world_size()
-    mesh = _data_parallel_mesh(device_type, world, hsdp_replicate)
-    return Dist(dist.get_rank(), world, local_rank, device, mesh)
+    mesh, tp_mesh = _meshes(device_type, world, hsdp_replicate, tp)
+    return Dist(dist.get_rank(), world, local_rank, device, mesh, tp_mesh)
 
 
 def _restart_count() -> int:
@@ -98,17 +118,28 @@ def _agent_store(world: int) -> dist.Store:
     )
 
 
-def _data_parallel_mesh(device_type: str, world: int, replicate: int) -> DeviceMesh:
-    if replicate < 1 or world % replicate != 0:
+def _meshes(
+    device_type: str, world: int, replicate: int, tp: int
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(data-parallel mesh, TP mesh or None): sub-meshes of one (replicate?, shard, tp?) mesh."""
+    if tp < 1 or world % tp != 0:
         raise SystemExit(
-            f"--hsdp-replicate {replicate} with {world} ranks: expected a divisor of the world "
-            f"size (replicate x shard = {world})"
+            f"--tp {tp} with {world} ranks: expected a divisor of the world size "
+            f"(data parallel x tensor parallel = {world})"
         )
-    if replicate == 1:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(
-        device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
-    )
+    dp = world // tp
+    if replicate < 1 or dp % replicate != 0:
+        raise SystemExit(
+            f"--hsdp-replicate {replicate} with {dp} data-parallel ranks ({world} / --tp {tp}): "
+            f"expected a divisor of it (replicate x shard = {dp})"
+        )
+    shape, names = [dp], ["shard"]
+    if replicate > 1:
+        shape, names = [replicate, dp // replicate], ["replicate", "shard"]
+    if tp == 1:
+        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)), None
+    full = init_device_mesh(device_type, (*shape, tp), mesh_dim_names=(*names, "tp"))
+    return full[tuple(names)], full["tp"]
 
 
 def collective_failure_message(err: BaseException, rank: int, timeout_s: float) -> str | None:

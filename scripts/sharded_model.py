@@ -2,9 +2,10 @@
 
 Mental model of the model build (``build_model``), in the order torchtitan uses:
 
-    Transformer on the meta device -> float8 swap of the block linears -> activation
-    checkpointing per block -> torch.compile per block -> fully_shard per block, then the
-    root -> to_empty(device) -> init_weights(seed)
+    Transformer on the meta device -> float8 swap of the block linears -> the tensor-
+    parallel plan (``--tp``, ``scripts/tp_plan.py``) -> activation checkpointing per block
+    -> torch.compile per block -> fully_shard per block, then the root -> to_empty(device)
+    -> init_weights(seed)
 
 Each rank therefore only ever allocates its own shards, and ``init_weights`` gives the same
 values for any world size or mesh shape (see ``scripts/model.py``).
@@ -23,6 +24,7 @@ from fsdp_float8 import Float8LinearConfig, convert_to_float8_training, enable_f
 from scripts.float8_flags import expert_filter, float8_filter
 from scripts.model import Transformer, model_args
 from scripts.process_group import Dist
+from scripts.tp_plan import apply_tensor_parallel
 
 
 def build_args(args: argparse.Namespace):
@@ -49,6 +51,8 @@ def build_model(
             expert_filter_fn=expert_filter(args.float8_skip),
         )
         report = model.float8_conversion_report
+    if d.tp_mesh is not None:  # after the float8 swap, before the wrappers and fully_shard
+        apply_tensor_parallel(model, d.tp_mesh)
     _wrap_blocks(model, args)
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,

@@ -98,10 +98,11 @@ class Trainer:
         self.out = Path(args.out)
         torch.manual_seed(args.seed)
         data = load_data(args)
-        layout = dict(seq_len=args.seq_len, global_batch=args.global_batch, rank=d.rank)
-        self.batcher = TokenBatcher(data.train, **layout, world_size=d.world_size, seed=args.seed)
+        # the ranks of a tensor-parallel group read the same batch: split over dp only
+        layout = dict(seq_len=args.seq_len, global_batch=args.global_batch, rank=d.dp_rank)
+        self.batcher = TokenBatcher(data.train, **layout, world_size=d.dp_size, seed=args.seed)
         self.val = ValidationBatches(
-            data.val, **layout, world_size=d.world_size, num_batches=args.val_batches
+            data.val, **layout, world_size=d.dp_size, num_batches=args.val_batches
         )
         self.ckpt = Checkpointer(self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main)
         self.settings = checkpoint_settings(args)
@@ -153,7 +154,7 @@ class Trainer:
         info = {
             "args": vars(a),
             "world_size": d.world_size,
-            "mesh": dict(zip(d.mesh.mesh_dim_names, d.mesh.shape)),
+            "mesh": d.mesh_shape(),
             "params": num_params(self.model, exclude_embedding=False),
             **counts,
             "float8_converted": self.report.converted if self.report else [],
@@ -363,7 +364,7 @@ def load_data(args: argparse.Namespace) -> TokenData:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = float8_config(args)  # refuse bad flag combinations before starting anything
-    d = init_distributed(args.device, args.hsdp_replicate, timeout_s=args.pg_timeout_s)
+    d = init_distributed(args.device, args.hsdp_replicate, tp=args.tp, timeout_s=args.pg_timeout_s)
     try:
         return Trainer(args, config, d).run()
     except RuntimeError as err:

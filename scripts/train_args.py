@@ -141,6 +141,13 @@ def _parallel_args(g) -> None:
         default=1,
         help="HSDP: a 2-D mesh of N replicas x (world / N) shards",
     )
+    g.add_argument(
+        "--tp",
+        type=POS_INT,
+        default=1,
+        help="tensor parallel size: a (data parallel, N) mesh, the Llama TP plan of "
+        "scripts/tp_plan.py (sequence parallel) over the N ranks, FSDP2 over the rest",
+    )
     g.add_argument("--mixed-precision", default="bf16", choices=["bf16", "none"])
     g.add_argument("--activation-checkpointing", action="store_true")
     g.add_argument("--compile", action="store_true", help="torch.compile each block")
@@ -219,10 +226,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
+    problem = tp_problem(args)
+    if problem is not None:
+        parser.error(f"argument --tp: {problem}")
     problem = out_problem(args.out)
     if problem is not None:
         parser.error(f"argument --out: {problem}; choose a folder you can write to")
     return args
+
+
+def tp_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--tp`` cannot run with the other flags (None: it can)."""
+    if args.tp == 1:
+        return None
+    if args.seq_len % args.tp:
+        return f"--seq-len {args.seq_len} is not a multiple of --tp {args.tp} (sequence parallel)"
+    if args.recipe != "off" and args.scaling == "delayed":
+        return "delayed scaling is not supported under tensor parallelism; use --scaling dynamic"
+    if args.compile:
+        return "--compile with --tp is not supported yet (not tested); drop --compile"
+    return None
 
 
 def out_problem(out: str) -> str | None:
