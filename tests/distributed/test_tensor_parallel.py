@@ -2,7 +2,9 @@
 
 - parity: the Llama model under `scripts.tp_plan` (float8 attention and MLP, sequence-parallel
   norms and embedding) trains like the single-process float8 model on the same data, for
-  tensorwise, rowwise and static scaling, to the reduction-order tolerance below;
+  tensorwise, rowwise, rowwise_with_gw_hp and static scaling, to the reduction-order
+  tolerance of test_fsdp_parity (`order_tolerances`: 4x the running spread of two
+  references that sum tokens in different orders, plus an 8-eps-per-step floor);
 - bytes: each sequence-parallel activation all-gather sends 1 byte per element (uint8 views
   of float8; its tensorwise scale comes from an all-reduced amax, so no scale bytes);
 - scale collectives: the MAX all-reduces of one step, counted per recipe and bounded in size;
@@ -36,7 +38,10 @@ from tests.distributed.tp_cases import (
     train_reference,
 )
 
-PARITY = [TPCase(recipe=r) for r in ("tensorwise", "rowwise", "static")]
+PARITY = [TPCase(recipe=r) for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "static")]
+# TP alone with a float8 all-gather config: the weights' local shards are FSDP2 wrappers,
+# cast by the layer itself (no FSDP2 here)
+PARITY.append(TPCase(recipe="tensorwise", fp8_all_gather=True))
 # What one training step's MAX all-reduces are, per transformer block, counted by hand from
 # the layout table in fsdp_float8/tensor_parallel.py (colwise: wq wk wv w1 w3, rowwise: wo w2):
 # tensorwise forward: 2 float8 activation gathers' amaxes + 5 colwise weights + 2 rowwise
