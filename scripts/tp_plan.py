@@ -106,6 +106,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
     """Parallelize `model` in place over the 1-D `tp_mesh` (see the module docstring)."""
     tp = tp_mesh.size()
     check_tp_size(model, tp)
+    if model.args.moe is not None:
+        raise ValueError(
+            "tensor parallelism of mixture-of-experts blocks is not supported (the plan "
+            "shards the dense SwiGLU feed-forward); use a dense preset, or --tp 1 for MoE"
+        )
     if model.args.tie_embeddings:
         raise ValueError(
             "tensor parallelism of a model with tied embeddings is not supported (the "

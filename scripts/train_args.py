@@ -243,6 +243,13 @@ def tp_problem(args: argparse.Namespace) -> str | None:
         return f"--seq-len {args.seq_len} is not a multiple of --tp {args.tp} (sequence parallel)"
     if args.recipe != "off" and args.scaling == "delayed":
         return "delayed scaling is not supported under tensor parallelism; use --scaling dynamic"
+    if args.recipe in ("blockwise", "mxfp8"):
+        return (
+            f"--recipe {args.recipe} (block scales) is not supported under tensor parallelism "
+            "yet; use --recipe tensorwise, rowwise or rowwise_with_gw_hp"
+        )
+    if PRESETS[args.preset].moe is not None:
+        return f"--preset {args.preset} has mixture-of-experts blocks, which the TP plan lacks"
     if args.compile:
         return "--compile with --tp is not supported yet (not tested); drop --compile"
     return None

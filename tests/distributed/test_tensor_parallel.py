@@ -122,6 +122,13 @@ def _refusals(mesh) -> dict[str, str]:
         ),
     )
 
+    def block_recipe():
+        mxfp8 = Float8LinearConfig.from_recipe_name("mxfp8")
+        model = convert_to_float8_training(nn.Sequential(nn.Linear(256, 256)), config=mxfp8)
+        parallelize_module(model, tp, {"0": Float8ColwiseParallel()})
+
+    attempt("block_recipe", block_recipe)
+
     def torch_style_on_float8():
         model = parallelize_module(converted(None), tp, {"0": ColwiseParallel()})
         model(torch.randn(4, 32))
@@ -173,3 +180,4 @@ def test_tp_refusals(results):
     )
     assert "tensorwise input cast" in got["float8_gather_rowwise_recipe"]
     assert "Float8ColwiseParallel" in got["torch_colwise_on_float8"]
+    assert "supports tensorwise and rowwise (axiswise) scales, got Blockwise" in got["block_recipe"]
