@@ -18,6 +18,7 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 import torch
 
 from fsdp_float8 import scaling
+from fsdp_float8.config_blocks import check_block_all_gather, check_block_cast, check_linear_blocks
 from fsdp_float8.config_fields import check_field_types, coerce_enum, filled, mark_filled
 from fsdp_float8.recipes import Float8LinearRecipeName, recipe_fields
 
@@ -87,8 +88,6 @@ class ScalingGranularity(enum.Enum):
 
 
 _BLOCKWISE = ScalingGranularity.BLOCKWISE
-E8M0 = torch.float8_e8m0fnu
-SCALE_DTYPES = (torch.float32, E8M0)
 
 
 @dataclass(frozen=True)
@@ -97,11 +96,9 @@ class CastConfig:
     default (e4m3 for input and weight, e5m2 for grad_output); a `Float8LinearConfig` fills
     it in. Positional fields in torchao's order; the rest keyword-only.
 
-    Blockwise casts (`scaling_granularity="blockwise"`, dynamic only) name their block as
-    `block_shape=(across, along)` the GEMM's contraction dim, e.g. (1, 128) tiles along K,
-    (128, 128) weight blocks, and `scale_dtype` float32 or `torch.float8_e8m0fnu` (MX,
-    power-of-two scales: needs `round_scales_to_power_of_2=True`); see
-    `fsdp_float8.scaling.Blockwise`."""
+    Blockwise casts (dynamic only) take `block_shape=(across, along)` the contraction dim,
+    e.g. (1, 128), (128, 128), and `scale_dtype` float32 or `torch.float8_e8m0fnu` (MX;
+    rules in `fsdp_float8.config_blocks`, the math in `fsdp_float8.scaling.Blockwise`)."""
 
     scaling_type: ScalingType = ScalingType.DYNAMIC
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
@@ -137,7 +134,7 @@ class CastConfig:
                 f"per operand), got scaling_granularity={gran}; use dynamic {gran} scaling "
                 "or tensorwise granularity"
             )
-        _check_block_fields(self)
+        check_block_cast(self.scaling_granularity.value, self.block_shape, self.scale_dtype)
 
     def granularity(self) -> scaling.Granularity:
         """The `fsdp_float8.scaling` granularity object this config names."""
@@ -155,37 +152,6 @@ _GRANULARITY = {
         shape=tuple(cfg.block_shape), scale_dtype=cfg.scale_dtype
     ),
 }
-
-
-def _check_block_fields(cfg: CastConfig) -> None:
-    blockwise = cfg.scaling_granularity is ScalingGranularity.BLOCKWISE
-    shape = cfg.block_shape
-    if blockwise and not (
-        isinstance(shape, tuple)
-        and len(shape) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in shape)
-    ):
-        raise ValueError(
-            f"scaling_granularity=blockwise needs block_shape=(across, along) the "
-            f"contraction dim as two ints >= 1, got block_shape={shape!r}; e.g. (1, 128) "
-            "for activation tiles, (128, 128) for weight blocks, (1, 32) / (32, 32) for MX"
-        )
-    if not blockwise and shape is not None:
-        raise ValueError(
-            f"block_shape={shape!r} is only used with scaling_granularity=blockwise, got "
-            f"{cfg.scaling_granularity.value}; drop block_shape or make the cast blockwise"
-        )
-    if cfg.scale_dtype not in SCALE_DTYPES:
-        raise ValueError(
-            f"scale_dtype={cfg.scale_dtype} is not supported; expected torch.float32 or "
-            "torch.float8_e8m0fnu (MX block scales)"
-        )
-    if cfg.scale_dtype != torch.float32 and not blockwise:
-        raise ValueError(
-            f"scale_dtype={cfg.scale_dtype} (e8m0) is for blockwise (MX) casts, got "
-            f"scaling_granularity={cfg.scaling_granularity.value}; use scale_dtype="
-            "torch.float32 or scaling_granularity='blockwise' with a block_shape"
-        )
 
 
 @dataclass(frozen=True)
@@ -297,27 +263,10 @@ class Float8LinearConfig:
             self._check_fsdp_all_gather()
         if self.save_input_in_float8:
             self._check_save_input_in_float8()
-        self._check_blocks()
-
-    def _check_blocks(self) -> None:
-        blockwise = [f for k, f in _OPERAND_FIELD.items() if self.cast(*k).block_shape]
-        if blockwise and self.pad_inner_dim:
-            raise ValueError(
-                f"pad_inner_dim=True pads K and N to multiples of 16 for torch._scaled_mm, "
-                f"but {blockwise[0]} is blockwise: block GEMMs tile any shape when emulated "
-                "and need multiples of 128 (32 for MX) on CUDA; drop pad_inner_dim, or keep "
-                "layers whose dims are not multiples of 16 in high precision"
-            )
-        self._check_e8m0_scales()
-
-    def _check_e8m0_scales(self) -> None:
-        e8m0 = [f for k, f in _OPERAND_FIELD.items() if self.cast(*k).scale_dtype == E8M0]
-        if e8m0 and not self.round_scales_to_power_of_2:
-            raise ValueError(
-                f"{e8m0[0]} has scale_dtype=torch.float8_e8m0fnu, which holds powers of two "
-                "only, but round_scales_to_power_of_2=False; set it True (the 'mxfp8' recipe "
-                "does) or use float32 block scales"
-            )
+        casts = {name: self.cast(*key) for key, name in _OPERAND_FIELD.items()}
+        check_linear_blocks(
+            casts, pad_inner_dim=self.pad_inner_dim, power_of_2=self.round_scales_to_power_of_2
+        )
 
     def _check_second_use(self, operand: Operand) -> None:
         first = self.cast(operand, PRIMARY_GEMM[operand])
@@ -348,7 +297,7 @@ class Float8LinearConfig:
         if fwd.scaling_granularity is ScalingGranularity.AXISWISE:
             return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
         if fwd.scaling_granularity is ScalingGranularity.BLOCKWISE:
-            self._check_block_all_gather(fwd, bwd)
+            check_block_all_gather(fwd, bwd)
             return
         same_dtype = self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) == self.float8_dtype(
             Operand.WEIGHT, Gemm.GRAD_INPUT
@@ -363,18 +312,6 @@ class Float8LinearConfig:
             raise ValueError(
                 "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
                 "cast_config_weight_for_grad_input tensorwise (or leave it None)"
-            )
-
-    @staticmethod
-    def _check_block_all_gather(fwd: CastConfig, bwd: CastConfig) -> None:
-        """A gathered block weight serves both weight GEMMs as it is: one cast, so square
-        blocks (the same whichever dim is contracted) and one config for both GEMMs."""
-        if fwd != bwd or fwd.block_shape[0] != fwd.block_shape[1]:
-            raise ValueError(
-                "enable_fsdp_float8_all_gather=True with a blockwise weight gathers one "
-                "float8 weight for both weight GEMMs, which needs square blocks and one cast "
-                f"config; got cast_config_weight={fwd}, cast_config_weight_for_grad_input="
-                f"{bwd}; use square blocks (e.g. (128, 128)) and leave the grad_input one None"
             )
 
     def _check_save_input_in_float8(self) -> None:
