@@ -51,7 +51,7 @@ from scripts.bench_common import (
 )
 from scripts.bench_kernels import kernel_breakdown
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 MODES = ("eager", "compile")
 
 
