@@ -1,8 +1,9 @@
 """FSDP2 float8 all-gather of block-scaled weights ('blockwise', 'mxfp8') on 2 gloo ranks.
 
 One spawn runs the grid:
-- parity: FSDP2 with float8 all-gather against the replicated single-process float8
-  reference (hand-averaged gradients), losses equal every step: each rank casts its own
+- parity: FSDP2 with float8 all-gather (eager, and per-block compiled) against the
+  replicated single-process float8 reference (hand-averaged gradients), losses equal every
+  step: each rank casts its own
   shard with its own block scales, which are exactly the unsharded weight's (the shards
   start on block boundaries), and a sum of two gradients has one order;
 - what travels: all-gather bytes = 1 per weight element + the block scales (float32, or
@@ -45,6 +46,8 @@ from tests.distributed.test_fsdp_checkpoint import _full, _same
 BLOCKWISE = Case(model="mlp", recipe="blockwise", dim=256, n_layers=1, steps=6)
 MXFP8 = Case(model="mlp", recipe="mxfp8", dim=64, n_layers=1, steps=6)
 PARITY = [BLOCKWISE, MXFP8, replace(MXFP8, precompute=False), replace(MXFP8, dim=64, n_layers=2)]
+# per-block torch.compile (aot_eager) around the FSDP2 float8 all-gather: the same losses
+PARITY.append(replace(MXFP8, compile=True, steps=3))
 # the tiny Llama at dim 64: wk/wv have 32 rows, 16 per rank, not whole 128 (or 32) blocks
 REFUSED = [Case(recipe="blockwise", steps=1), Case(recipe="mxfp8", steps=1)]
 BLOCK_ROWS = {"blockwise": 128, "mxfp8": 32}
