@@ -47,7 +47,13 @@ def test_bench_linear_quick(tmp_path):
     )
     rows = payload["results"]
     assert payload["benchmark"] == "linear"
-    assert {r["recipe"] for r in rows} == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+    assert {r["recipe"] for r in rows} == {
+        "tensorwise",
+        "rowwise",
+        "rowwise_with_gw_hp",
+        "blockwise",
+        "mxfp8",
+    }
     for r in rows:
         assert r["error"] is None, r
         assert r["bf16_ms"] > 0 and r["float8_ms"] > 0
