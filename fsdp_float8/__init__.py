@@ -17,7 +17,7 @@ import importlib.metadata
 
 import torch
 
-from fsdp_float8.config import (
+from fsdp_float8.core.config import (
     CastConfig,
     DelayedScalingConfig,
     Float8GemmConfig,
@@ -28,33 +28,33 @@ from fsdp_float8.config import (
     ScalingGranularity,
     ScalingType,
 )
-from fsdp_float8.convert import (
-    ConversionReport,
-    convert_to_float8_training,
-    dims_divisible_by_16,
-)
-from fsdp_float8.delayed_state import export_state_dict
-from fsdp_float8.expert_modules import Float8FusedExperts, Float8GroupedExperts
-from fsdp_float8.experts import ExpertCastPlan, float8_grouped_mm
-from fsdp_float8.float8_ops import scaled_mm
-from fsdp_float8.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
-from fsdp_float8.fsdp import (
+from fsdp_float8.core.float8_ops import scaled_mm
+from fsdp_float8.core.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
+from fsdp_float8.core.numerics import sqnr_db
+from fsdp_float8.core.recipes import _auto_filter_for_recipe
+from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
+from fsdp_float8.experts.modules import Float8FusedExperts, Float8GroupedExperts
+from fsdp_float8.fsdp.delayed_state import export_state_dict
+from fsdp_float8.fsdp.step import (
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.linear import Float8Linear
-from fsdp_float8.numerics import sqnr_db
-from fsdp_float8.recipes import _auto_filter_for_recipe
-from fsdp_float8.telemetry import Float8Telemetry
-from fsdp_float8.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
-from fsdp_float8.tensor_parallel_input import PrepareFloat8ModuleInput
-from fsdp_float8.weight_wrappers import (
+from fsdp_float8.fsdp.weight_wrappers import (
     BlockFloat8Weight,
     DelayedFloat8Weight,
     DynamicFloat8Weight,
     StaticFloat8Weight,
 )
-from fsdp_float8.weight_wrappers.base import _rebuild_weight_wrapper
+from fsdp_float8.fsdp.weight_wrappers.base import _rebuild_weight_wrapper
+from fsdp_float8.nn.convert import (
+    ConversionReport,
+    convert_to_float8_training,
+    dims_divisible_by_16,
+)
+from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
+from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
+from fsdp_float8.tools.telemetry import Float8Telemetry
 
 # checkpoints holding these load with torch.load(weights_only=True); a weight wrapper
 # pickles its config, so the config dataclasses and enums are safe globals too
@@ -80,8 +80,8 @@ torch.serialization.add_safe_globals(
 
 # name -> module of the optional features imported on first use (module __getattr__)
 _LAZY = {
-    "Float8ReduceScatter": "fsdp_float8.reduce_scatter",
-    "enable_float8_reduce_scatter": "fsdp_float8.reduce_scatter",
+    "Float8ReduceScatter": "fsdp_float8.fsdp.reduce_scatter",
+    "enable_float8_reduce_scatter": "fsdp_float8.fsdp.reduce_scatter",
 }
 
 

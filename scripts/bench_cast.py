@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from fsdp_float8.scaling import (
+from fsdp_float8.core.scaling import (
     Axiswise,
     DynamicScaling,
     Tensorwise,

@@ -64,7 +64,7 @@ from fsdp_float8 import (
     Float8LinearConfig,
     convert_to_float8_training,
 )
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from scripts.bench_common import (
     StepProbe,
     environment,

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig
-from fsdp_float8.numerics import sqnr_db
+from fsdp_float8.core.numerics import sqnr_db
 from scripts.bench_common import (
     environment,
     fmt,

@@ -11,7 +11,7 @@ import fnmatch
 from torch import nn
 
 from fsdp_float8 import CastConfig, DelayedScalingConfig, Float8LinearConfig
-from fsdp_float8.convert import dims_divisible_by_16
+from fsdp_float8.nn.convert import dims_divisible_by_16
 
 RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 # float8 all-gather by default: tensorwise, and mxfp8 (every linear of the tiny preset has

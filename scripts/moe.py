@@ -10,7 +10,7 @@ Mental model (DeepSeek-V3 / Qwen3-MoE style, no expert parallelism):
 
 `GroupedExperts` is the torchtitan layout: `w1`, `w3` `(E, hidden, dim)`, `w2` `(E, dim,
 hidden)`, each `w[e]` an nn.Linear weight; `convert_to_float8_training` swaps it for
-`fsdp_float8.expert_modules.Float8GroupedExperts`. The router is not an nn.Linear (a plain
+`fsdp_float8.experts.modules.Float8GroupedExperts`. The router is not an nn.Linear (a plain
 parameter used in float32), so it always stays in high precision. After each forward the
 block keeps `aux_loss` (the Switch load-balancing loss `E * sum_e f_e * p_e`, f the fraction
 of routed slots and p the mean router probability of expert e) and `tokens_per_expert`.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_float8.grouped_mm import grouped_mm_hp
+from fsdp_float8.experts.grouped_mm import grouped_mm_hp
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ Run (from the repository root; needs the `plot` extra: pip install -e '.[plot]')
     python -m scripts.plot_numerics METRICS.jsonl --out numerics.png --panels saturation underflow
 
 Input: JSONL lines as `Float8Telemetry.flush()` writes them (see
-`fsdp_float8.telemetry.RECORD_FIELDS`). Other lines (e.g. the training loop's per-step
+`fsdp_float8.tools.telemetry.RECORD_FIELDS`). Other lines (e.g. the training loop's per-step
 metrics in the same file) are skipped. Rows are `layer.operand`: layers in the order they
 first appear (the model's forward order), each as input, weight, grad_output, with `@gemm`
 added where an operand was recorded for more than one GEMM (`all_casts=True`). Several records for one cell (gradient

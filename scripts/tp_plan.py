@@ -28,9 +28,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_float8 import Float8Linear
-from fsdp_float8.config import Gemm, Operand
-from fsdp_float8.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
-from fsdp_float8.tensor_parallel_input import PrepareFloat8ModuleInput
+from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
+from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
 from scripts.model import Transformer
 
 

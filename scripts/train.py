@@ -44,8 +44,8 @@ from fsdp_float8 import (
     Float8Telemetry,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.comm_stats import CollectiveCounter
-from fsdp_float8.telemetry import append_jsonl
+from fsdp_float8.tools.comm_stats import CollectiveCounter
+from fsdp_float8.tools.telemetry import append_jsonl
 from scripts.checkpoint import (
     Checkpointer,
     ModelOptimizerState,

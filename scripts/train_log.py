@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 
 STEP_FIELDS = (
     "step",  # 1-based, the optimizer steps done

@@ -12,8 +12,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_float8._compat import all_gather_single
-from fsdp_float8.comm_stats import CollectiveCounter, CollectiveKind
+from fsdp_float8.core._compat import all_gather_single
+from fsdp_float8.tools.comm_stats import CollectiveCounter, CollectiveKind
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
 WORLD_SIZE = 2

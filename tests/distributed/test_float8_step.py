@@ -21,7 +21,7 @@ from fsdp_float8 import (
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
     Case,
     batch,

@@ -25,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp_float8 import Float8Linear
-from fsdp_float8.comm_stats import CollectiveCounter
-from fsdp_float8.weight_wrappers.block import scale_columns
+from fsdp_float8.fsdp.weight_wrappers.block import scale_columns
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
     Case,
     batch,

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from fsdp_float8 import Float8Linear
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
     Case,
     batch,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from scripts.model import Transformer, model_args
 from scripts.moe import MoEArgs, moe_aux_loss
 from tests.distributed.launcher import DistributedError, cpu_mesh, run_distributed

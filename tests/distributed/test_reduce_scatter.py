@@ -1,4 +1,4 @@
-"""Float8 gradient reduce-scatter (`fsdp_float8.reduce_scatter`) on 2 CPU ranks.
+"""Float8 gradient reduce-scatter (`fsdp_float8.fsdp.reduce_scatter`) on 2 CPU ranks.
 
 Two spawns, each shared by several tests through a module-scoped fixture:
 - the collective on its own: every reduce op FSDP2 passes (SUM, AVG, PREMUL_SUM with a
@@ -22,16 +22,16 @@ from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdp_float8 import convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-from fsdp_float8._compat import premul_sum, premul_sum_factor, reduce_scatter_single
-from fsdp_float8.comm_stats import CollectiveCounter
-from fsdp_float8.numerics import sqnr_db
-from fsdp_float8.reduce_scatter import (
+from fsdp_float8.core._compat import premul_sum, premul_sum_factor, reduce_scatter_single
+from fsdp_float8.core.numerics import sqnr_db
+from fsdp_float8.fsdp.reduce_scatter import (
     Float8ReduceScatter,
     dequantize_blocks,
     enable_float8_reduce_scatter,
     packed_row_bytes,
     quantize_blocks,
 )
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
     Case,
     batch,

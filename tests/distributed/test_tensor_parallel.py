@@ -26,7 +26,7 @@ from fsdp_float8 import (
     PrepareFloat8ModuleInput,
     convert_to_float8_training,
 )
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.launcher import cpu_mesh, run_distributed
 from tests.distributed.test_fsdp_parity import order_tolerances
 from tests.distributed.tp_cases import (
@@ -43,7 +43,7 @@ PARITY = [TPCase(recipe=r) for r in ("tensorwise", "rowwise", "rowwise_with_gw_h
 # cast by the layer itself (no FSDP2 here)
 PARITY.append(TPCase(recipe="tensorwise", fp8_all_gather=True))
 # What one training step's MAX all-reduces are, per transformer block, counted by hand from
-# the layout table in fsdp_float8/tensor_parallel.py (colwise: wq wk wv w1 w3, rowwise: wo w2):
+# the layout table in fsdp_float8/tensor_parallel/styles.py (colwise: wq wk wv w1 w3, rowwise: wo w2):
 # tensorwise forward: 2 float8 activation gathers' amaxes + 5 colwise weights + 2 rowwise
 #   x (input, weight) = 11; backward: 5 colwise grad_outputs (shared by both GEMMs) = 5;
 # rowwise forward: 2 rowwise x (input rows, weight rows) = 4 (the activations are gathered

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fsdp_float8 import Float8Linear
-from fsdp_float8.comm_stats import CollectiveCounter
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.launcher import cpu_mesh, run_distributed
 from tests.distributed.test_fsdp_parity import order_tolerances
 from tests.distributed.tp_cases import (

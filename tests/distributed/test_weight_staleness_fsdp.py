@@ -18,8 +18,8 @@ from fsdp_float8 import (
     precompute_float8_dynamic_scale_for_fsdp,
     sqnr_db,
 )
-from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.weight_wrappers.base import plain_weight
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
 CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)

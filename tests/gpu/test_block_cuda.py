@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, sqnr_db
-from fsdp_float8.blocks_cuda import cuda_block_gemm_problem
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.blocks_cuda import cuda_block_gemm_problem
+from fsdp_float8.core.numerics import SQNR_DB
 
 pytestmark = pytest.mark.gpu
 _BLOCKS = {"blockwise": ((1, 128), (128, 128), torch.float32)}

@@ -17,8 +17,8 @@ from fsdp_float8 import (
     precompute_float8_dynamic_scale_for_fsdp,
     sqnr_db,
 )
-from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.scaling import axis_amax, tensor_amax, tensor_amaxes
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.scaling import axis_amax, tensor_amax, tensor_amaxes
 
 pytestmark = pytest.mark.gpu
 

@@ -24,7 +24,7 @@ from fsdp_float8 import (
     precompute_float8_dynamic_scale_for_fsdp,
     sqnr_db,
 )
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
 
 pytestmark = pytest.mark.gpu
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ("bf16", "float8_bf16_ag", "float8_ag", "float8_ag_precompute", "delayed")

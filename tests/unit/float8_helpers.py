@@ -1,5 +1,5 @@
 """Shared by the float8 unit tests: configs for the recipe x scaling grid and the SQNRs of a
-Float8Linear against a float32 reference. Thresholds live in `fsdp_float8.numerics.SQNR_DB`.
+Float8Linear against a float32 reference. Thresholds live in `fsdp_float8.core.numerics.SQNR_DB`.
 
 Grid: every recipe ('tensorwise', 'rowwise', 'rowwise_with_gw_hp') with
 - dynamic: the recipe as named;
@@ -22,8 +22,8 @@ from fsdp_float8 import (
     sqnr_db,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.config import E4M3, E5M2
-from fsdp_float8.scaling import float8_max
+from fsdp_float8.core.config import E4M3, E5M2
+from fsdp_float8.core.scaling import float8_max
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 SCALINGS = ("dynamic", "delayed", "static")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, sqnr_db
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
 from tests.unit.float8_helpers import IN_FEATURES, RECIPES, SCALINGS, make_config
 
 # (input shape, what it is): nn.Linear takes any leading shape, including none and zero

@@ -16,11 +16,11 @@ from fsdp_float8 import (
     _auto_filter_for_recipe,
     sqnr_db,
 )
-from fsdp_float8.blocks import E8M0, block_amax, cast_to_float8_blocks, dequantize_blocks
-from fsdp_float8.config import OPERAND_GEMMS
-from fsdp_float8.linear import CastPlan
-from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.scaling import Blockwise, DynamicScaling, amax_to_scale
+from fsdp_float8.core.blocks import E8M0, block_amax, cast_to_float8_blocks, dequantize_blocks
+from fsdp_float8.core.config import OPERAND_GEMMS
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale
+from fsdp_float8.nn.linear import CastPlan
 from tests.unit.float8_helpers import make_batch, make_linear, reference, run_linear
 
 BLOCK_RECIPES = ("blockwise", "mxfp8")
@@ -177,8 +177,8 @@ def test_extra_repr_names_the_blocks() -> None:
 def test_telemetry_reports_block_casts() -> None:
     """Float8Telemetry on an MX layer: the input record carries the block scales' extremes
     and the underflow of the per-block cast, counted here tile by tile."""
-    from fsdp_float8.numerics import underflow_fraction
-    from fsdp_float8.telemetry import Float8Telemetry
+    from fsdp_float8.core.numerics import underflow_fraction
+    from fsdp_float8.tools.telemetry import Float8Telemetry
 
     mod = make_linear(Float8LinearConfig.mxfp8(), in_features=64, out_features=32)
     g = torch.Generator().manual_seed(5)
@@ -224,9 +224,9 @@ def test_telemetry_of_a_float8_gathered_block_weight(tmp_path) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_float8 import convert_to_float8_training
-    from fsdp_float8.numerics import underflow_fraction
-    from fsdp_float8.scaling import Blockwise as B
-    from fsdp_float8.telemetry import Float8Telemetry
+    from fsdp_float8.core.numerics import underflow_fraction
+    from fsdp_float8.core.scaling import Blockwise as B
+    from fsdp_float8.tools.telemetry import Float8Telemetry
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")

@@ -1,4 +1,4 @@
-"""Block scales (fsdp_float8.blocks, scaling.Blockwise): block amax and cast against
+"""Block scales (fsdp_float8.core.blocks, scaling.Blockwise): block amax and cast against
 hand-written per-block loops, MX e8m0 scales and their RCEIL rounding, the emulated block
 GEMM against a hand-written reference (bit for bit) and against float64 (an arithmetic
 bound), cast SQNR on randn and on heavy-tailed data, and the CUDA path's refusals."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_float8 import Float8Tensor, sqnr_db
-from fsdp_float8.blocks import (
+from fsdp_float8.core.blocks import (
     E8M0,
     block_amax,
     block_scaled_mm,
@@ -21,9 +21,9 @@ from fsdp_float8.blocks import (
     expand_block_scale,
     scale_from_e8m0,
 )
-from fsdp_float8.blocks_cuda import cuda_block_gemm_problem, swizzle_32_4_4
-from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.scaling import (
+from fsdp_float8.core.blocks_cuda import cuda_block_gemm_problem, swizzle_32_4_4
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.scaling import (
     Axiswise,
     Blockwise,
     DynamicScaling,
@@ -258,7 +258,7 @@ def test_swizzle_places_each_scale_where_the_blocked_layout_says() -> None:
 def test_block_payload_round_trips_the_scales_of_every_shard(scale_dtype) -> None:
     """Two shards packed as the all-gather pre-hook packs them, concatenated as the
     all-gather does: the post-hook's unpack gives the whole weight's data and scales."""
-    from fsdp_float8.weight_wrappers.block import (
+    from fsdp_float8.fsdp.weight_wrappers.block import (
         pack_block_payload,
         scale_columns,
         unpack_block_scales,
@@ -281,7 +281,7 @@ def test_block_payload_round_trips_the_scales_of_every_shard(scale_dtype) -> Non
 
 
 def test_block_shards_must_be_whole_blocks() -> None:
-    from fsdp_float8.weight_wrappers.block import check_block_shards
+    from fsdp_float8.fsdp.weight_wrappers.block import check_block_shards
 
     check_block_shards(256, 2, 128)
     check_block_shards(200, 1, 128)  # one shard: any rows (a ragged last block)

@@ -1,7 +1,7 @@
 """CollectiveCounter's op table matches the ops this torch registers at the dispatcher.
 
 If a torch upgrade adds a collective op, or renames a schema argument, this fails and says
-which entry of ``fsdp_float8.comm_stats._SPECS`` to add or fix.
+which entry of ``fsdp_float8.tools.comm_stats._SPECS`` to add or fix.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  registers _c10d_functional ops
 
-from fsdp_float8 import comm_stats
+from fsdp_float8.tools import comm_stats
 
 
 def _registered_ops() -> dict[str, torch._C.FunctionSchema]:

@@ -15,8 +15,8 @@ import torch._dynamo.testing
 from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8Tensor, convert_to_float8_training, hp_to_float8
-from fsdp_float8.config import E4M3
-from fsdp_float8.scaling import amax_to_scale
+from fsdp_float8.core.config import E4M3
+from fsdp_float8.core.scaling import amax_to_scale
 from tests.unit.float8_helpers import RECIPES, SCALINGS, make_config
 
 

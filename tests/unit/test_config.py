@@ -18,8 +18,8 @@ from fsdp_float8 import (
     ScalingGranularity,
     ScalingType,
 )
-from fsdp_float8.config import E4M3, E5M2
-from fsdp_float8.scaling import Axiswise, DelayedScaling, DynamicScaling, StaticScaling
+from fsdp_float8.core.config import E4M3, E5M2
+from fsdp_float8.core.scaling import Axiswise, DelayedScaling, DynamicScaling, StaticScaling
 
 OFF = CastConfig(scaling_type="disabled")
 AXIS = CastConfig(scaling_granularity="axiswise")

@@ -17,7 +17,7 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sqnr_db,
 )
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
 from scripts.model import Transformer, model_args
 
 

@@ -19,8 +19,8 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.config import E4M3, E5M2
-from fsdp_float8.scaling import amax_to_scale
+from fsdp_float8.core.config import E4M3, E5M2
+from fsdp_float8.core.scaling import amax_to_scale
 from tests.unit.float8_helpers import make_config, make_linear, warm_up
 
 DELAYED = CastConfig(scaling_type="delayed")

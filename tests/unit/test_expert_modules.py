@@ -1,4 +1,4 @@
-"""The MoE module swap (fsdp_float8.expert_modules via convert_to_float8_training): this
+"""The MoE module swap (fsdp_float8.experts.modules via convert_to_float8_training): this
 repo's MoE block (torchtitan-style GroupedExperts), transformers 5.x fused experts (skipped
 without transformers), what is converted and what is skipped with the reason."""
 
@@ -16,8 +16,8 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sqnr_db,
 )
-from fsdp_float8.expert_modules import Float8FusedExperts, Float8GroupedExperts
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.experts.modules import Float8FusedExperts, Float8GroupedExperts
 from scripts.model import Transformer, model_args
 from scripts.moe import GroupedExperts, MoE, MoEArgs, moe_aux_loss, tokens_per_expert
 

@@ -1,5 +1,5 @@
-"""Float8 grouped expert GEMMs (fsdp_float8.experts / grouped_mm): the three GEMMs of an
-expert projection against a float64 reference (SQNR bars of fsdp_float8.numerics), the
+"""Float8 grouped expert GEMMs (fsdp_float8.experts.gemm / grouped_mm): the three GEMMs of an
+expert projection against a float64 reference (SQNR bars of fsdp_float8.core.numerics), the
 emulated grouped GEMM against its own definition, and the grouped GEMM against a loop of the
 existing float8 linear GEMMs, one expert at a time (bit-exact: the same casts, the same
 per-expert GEMM), with empty experts and skewed routing."""
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from fsdp_float8 import CastConfig, Float8LinearConfig, sqnr_db
-from fsdp_float8.config import E4M3
-from fsdp_float8.experts import ExpertCastPlan, float8_grouped_mm
-from fsdp_float8.grouped_mm import dequantize_operands, grouped_scaled_mm
-from fsdp_float8.linear import CastPlan, _Float8LinearFn
-from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.scaling import amax_to_scale, axis_amax, cast_to_float8_data
+from fsdp_float8.core.config import E4M3
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.scaling import amax_to_scale, axis_amax, cast_to_float8_data
+from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
+from fsdp_float8.experts.grouped_mm import dequantize_operands, grouped_scaled_mm
+from fsdp_float8.nn.linear import CastPlan, _Float8LinearFn
 
 E, K, N = 4, 64, 48
 ROUTINGS = {
@@ -134,7 +134,7 @@ def test_emulated_grouped_gemm_is_its_definition(routing, monkeypatch):
     a_hp, b_hp = dequantize_operands(a, a_s, b, b_s, offs)
     want = torch._grouped_mm(a_hp, b_hp, offs=offs).to(torch.bfloat16)
     assert torch.equal(got, want)
-    monkeypatch.setattr("fsdp_float8.grouped_mm.grouped_mm_available", lambda device: False)
+    monkeypatch.setattr("fsdp_float8.experts.grouped_mm.grouped_mm_available", lambda device: False)
     looped = grouped_scaled_mm(a, a_s, b, b_s, offs, out_dtype=torch.bfloat16, emulate=True)
     assert torch.equal(looped, want)
 
@@ -173,7 +173,7 @@ def test_refuses_bad_offsets(offs, match):
 
 
 def test_cuda_grouped_gemm_is_not_claimed_on_cpu():
-    from fsdp_float8._compat import grouped_mm_available, scaled_grouped_mm_available
+    from fsdp_float8.core._compat import grouped_mm_available, scaled_grouped_mm_available
 
     assert not scaled_grouped_mm_available(torch.device("cpu"))
     assert grouped_mm_available("cpu") == hasattr(torch, "_grouped_mm")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fsdp_float8 import convert_to_float8_training, export_state_dict, sqnr_db
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
 from tests.unit.float8_helpers import make_config
 
 

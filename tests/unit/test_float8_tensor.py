@@ -10,9 +10,9 @@ import torch
 
 import fsdp_float8  # noqa: F401  (registers the safe globals for weights_only loading)
 from fsdp_float8 import Float8Tensor, hp_to_float8, scaled_mm, sqnr_db
-from fsdp_float8.config import E4M3, E5M2
-from fsdp_float8.numerics import SQNR_DB
-from fsdp_float8.scaling import amax_to_scale
+from fsdp_float8.core.config import E4M3, E5M2
+from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.scaling import amax_to_scale
 
 
 def _tensorwise(hp: torch.Tensor, dtype: torch.dtype = E4M3, **kw) -> Float8Tensor:

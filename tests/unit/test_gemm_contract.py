@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr_db
-from fsdp_float8.float8_ops import check_gemm_supported
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.float8_ops import check_gemm_supported
+from fsdp_float8.core.numerics import SQNR_DB
 
 _real_scaled_mm = torch._scaled_mm
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, Float8Tensor, Operand, sqnr_db
-from fsdp_float8.numerics import SQNR_DB
+from fsdp_float8.core.numerics import SQNR_DB
 from tests.unit.float8_helpers import (
     RECIPES,
     SCALINGS,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig, Float8ReduceScatter
-from fsdp_float8.reduce_scatter import dequantize_blocks
+from fsdp_float8.fsdp.reduce_scatter import dequantize_blocks
 from tests.unit.float8_helpers import OpLog
 
 aten = torch.ops.aten

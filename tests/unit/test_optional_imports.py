@@ -49,7 +49,7 @@ def test_import_works_when_the_private_reduce_scatter_api_is_gone() -> None:
 
 def test_optional_features_still_import_lazily() -> None:
     from fsdp_float8 import Float8ReduceScatter, enable_float8_reduce_scatter
-    from fsdp_float8.reduce_scatter import Float8ReduceScatter as direct
+    from fsdp_float8.fsdp.reduce_scatter import Float8ReduceScatter as direct
 
     assert Float8ReduceScatter is direct and callable(enable_float8_reduce_scatter)
     assert "enable_float8_reduce_scatter" in dir(fsdp_float8)

@@ -31,7 +31,7 @@ from fsdp_float8 import (
     precompute_float8_dynamic_scale_for_fsdp,
     sqnr_db,
 )
-from fsdp_float8.config import E4M3, E5M2
+from fsdp_float8.core.config import E4M3, E5M2
 
 
 def test_readme_example_runs_with_fsdp_float8_imports() -> None:

@@ -18,8 +18,8 @@ from fsdp_float8 import (
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
 )
-from fsdp_float8.config import E4M3
-from fsdp_float8.scaling import amax_to_scale, tensor_amax
+from fsdp_float8.core.config import E4M3
+from fsdp_float8.core.scaling import amax_to_scale, tensor_amax
 
 CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
 

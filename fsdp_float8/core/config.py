@@ -1,0 +1,438 @@
+"""Configuration: which operand of which GEMM is cast how, and the named recipes.
+
+A linear layer runs three GEMMs (see `Gemm`) on three operands (see `Operand`). Each
+operand is cast once for its primary GEMM and possibly differently for its second use in
+backward (`*_for_grad_*` fields). A `CastConfig` says how one such cast is scaled; this
+module is the one place where those user-facing words become the strategy objects of
+`fsdp_float8.core.scaling` (`Float8LinearConfig.strategy`).
+
+Field names follow the ones torchao users know, so switching is a change of import.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import KW_ONLY, dataclass, field, replace
+
+import torch
+
+from fsdp_float8.core import scaling
+from fsdp_float8.core.config_blocks import (
+    check_block_all_gather,
+    check_block_cast,
+    check_linear_blocks,
+)
+from fsdp_float8.core.config_fields import check_field_types, coerce_enum, filled, mark_filled
+from fsdp_float8.core.recipes import Float8LinearRecipeName, recipe_fields
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FLOAT8_DTYPES = (E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+class Operand(enum.Enum):
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+class Gemm(enum.Enum):
+    """output = input @ weight.T; grad_input = grad_output @ weight;
+    grad_weight = grad_output.T @ input."""
+
+    OUTPUT = "output"
+    GRAD_INPUT = "grad_input"
+    GRAD_WEIGHT = "grad_weight"
+
+
+# The members as tuples: loop over these, not the Enum classes (dynamo in torch 2.11 cannot
+# iterate an Enum class inside a compiled function).
+OPERANDS: tuple[Operand, ...] = tuple(Operand)
+GEMMS: tuple[Gemm, ...] = tuple(Gemm)
+
+# (left operand, right operand) of each GEMM, in the order they are multiplied.
+GEMM_OPERANDS: dict[Gemm, tuple[Operand, Operand]] = {
+    Gemm.OUTPUT: (Operand.INPUT, Operand.WEIGHT),
+    Gemm.GRAD_INPUT: (Operand.GRAD_OUTPUT, Operand.WEIGHT),
+    Gemm.GRAD_WEIGHT: (Operand.GRAD_OUTPUT, Operand.INPUT),
+}
+# Each operand's two GEMMs, in execution order: its "primary" cast (first use) and its
+# second use in backward. Derived from GEMM_OPERANDS, the one spelling of the topology.
+OPERAND_GEMMS: dict[Operand, tuple[Gemm, Gemm]] = {
+    op: tuple(g for g, ops in GEMM_OPERANDS.items() if op in ops)  # type: ignore[misc]
+    for op in OPERANDS
+}
+PRIMARY_GEMM: dict[Operand, Gemm] = {op: gemms[0] for op, gemms in OPERAND_GEMMS.items()}
+SECOND_GEMM: dict[Operand, Gemm] = {op: gemms[1] for op, gemms in OPERAND_GEMMS.items()}
+# The dim of the operand's 2-D form that the GEMM contracts over: input (M, K),
+# weight (N, K), grad_output (M, N). Axiswise scales reduce over this dim.
+CONTRACTION_DIM: dict[tuple[Gemm, Operand], int] = {
+    (Gemm.OUTPUT, Operand.INPUT): -1,
+    (Gemm.OUTPUT, Operand.WEIGHT): -1,
+    (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT): -1,
+    (Gemm.GRAD_INPUT, Operand.WEIGHT): 0,
+    (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT): 0,
+    (Gemm.GRAD_WEIGHT, Operand.INPUT): 0,
+}
+
+
+class ScalingType(enum.Enum):
+    DYNAMIC = "dynamic"
+    DELAYED = "delayed"
+    STATIC = "static"
+    DISABLED = "disabled"
+
+
+class ScalingGranularity(enum.Enum):
+    TENSORWISE = "tensorwise"
+    AXISWISE = "axiswise"
+    # one scale per block of CastConfig.block_shape = (across, along) the contraction dim
+    BLOCKWISE = "blockwise"
+
+
+_BLOCKWISE = ScalingGranularity.BLOCKWISE
+
+
+@dataclass(frozen=True)
+class CastConfig:
+    """How one operand is cast for one GEMM. `target_dtype=None` means the operand's
+    default (e4m3 for input and weight, e5m2 for grad_output); a `Float8LinearConfig` fills
+    it in. Positional fields in torchao's order; the rest keyword-only.
+
+    Blockwise casts (dynamic only) take `block_shape=(across, along)` the contraction dim,
+    e.g. (1, 128), (128, 128), and `scale_dtype` float32 or `torch.float8_e8m0fnu` (MX;
+    rules in `fsdp_float8.core.config_blocks`, the math in `fsdp_float8.core.scaling.Blockwise`)."""
+
+    scaling_type: ScalingType = ScalingType.DYNAMIC
+    scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    target_dtype: torch.dtype | None = None
+    _: KW_ONLY
+    static_scale: float | None = None
+    block_shape: tuple | None = None
+    scale_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        coerce_enum(self, "scaling_type", ScalingType)
+        coerce_enum(self, "scaling_granularity", ScalingGranularity)
+        if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
+            raise ValueError(
+                f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype; "
+                f"expected one of {FLOAT8_DTYPES} or None for the operand's default"
+            )
+        static = self.scaling_type is ScalingType.STATIC
+        if static:
+            dtypes = (self.target_dtype,) if self.target_dtype else (E4M3, E5M2)
+            scaling.check_static_scale(self.static_scale, dtypes)
+        if not static and self.static_scale is not None:
+            raise ValueError(
+                f"static_scale={self.static_scale} is only used with scaling_type=static, "
+                f"got scaling_type={self.scaling_type.value}; drop static_scale or make it static"
+            )
+        tensorwise = self.scaling_granularity is ScalingGranularity.TENSORWISE
+        if not tensorwise and self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
+            gran = self.scaling_granularity.value
+            raise ValueError(
+                f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
+                f"per operand), got scaling_granularity={gran}; use dynamic {gran} scaling "
+                "or tensorwise granularity"
+            )
+        check_block_cast(self.scaling_granularity.value, self.block_shape, self.scale_dtype)
+
+    def granularity(self) -> scaling.Granularity:
+        """The `fsdp_float8.core.scaling` granularity object this config names."""
+        return _GRANULARITY[self.scaling_granularity](self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaling_type is not ScalingType.DISABLED
+
+
+_GRANULARITY = {
+    ScalingGranularity.TENSORWISE: lambda cfg: scaling.Tensorwise(),
+    ScalingGranularity.AXISWISE: lambda cfg: scaling.Axiswise(),
+    ScalingGranularity.BLOCKWISE: lambda cfg: scaling.Blockwise(
+        shape=tuple(cfg.block_shape), scale_dtype=cfg.scale_dtype
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DelayedScalingConfig:
+    """Delayed scaling: the scale comes from a history of past amaxes.
+
+    scale_fn_name: "max" (max over the history) or "most_recent".
+    max_forwards_without_sync: a training forward that finds this many forwards since the
+    last `sync_float8_amax_and_scale_history` raises, so a forgotten sync cannot go on
+    silently with stale scales. Raise it for long gradient accumulation.
+    """
+
+    history_len: int = 16
+    scale_fn_name: str = "max"
+    _: KW_ONLY
+    max_forwards_without_sync: int = 64
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        if self.history_len < 1:
+            raise ValueError(f"history_len must be an int >= 1, got {self.history_len!r}")
+        if self.scale_fn_name not in ("max", "most_recent"):
+            raise ValueError(
+                f"scale_fn_name={self.scale_fn_name!r}; expected 'max' or 'most_recent'"
+            )
+        if self.max_forwards_without_sync < 1:
+            raise ValueError(
+                f"max_forwards_without_sync must be >= 1, got {self.max_forwards_without_sync}"
+            )
+
+
+@dataclass(frozen=True)
+class Float8GemmConfig:
+    use_fast_accum: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+
+
+_OPERAND_FIELD = {
+    (Operand.INPUT, Gemm.OUTPUT): "cast_config_input",
+    (Operand.INPUT, Gemm.GRAD_WEIGHT): "cast_config_input_for_grad_weight",
+    (Operand.WEIGHT, Gemm.OUTPUT): "cast_config_weight",
+    (Operand.WEIGHT, Gemm.GRAD_INPUT): "cast_config_weight_for_grad_input",
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): "cast_config_grad_output",
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): "cast_config_grad_output_for_grad_weight",
+}
+_WEIGHT_WRAPPER = {
+    ScalingType.DYNAMIC: "DynamicFloat8Weight",
+    ScalingType.DELAYED: "DelayedFloat8Weight",
+    ScalingType.STATIC: "StaticFloat8Weight",
+}
+_DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
+
+
+@dataclass(frozen=True)
+class Float8LinearConfig:
+    """Everything a `Float8Linear` needs to know.
+
+    Resolved at construction as torchao resolves it: a `*_for_grad_*` config left None is
+    the operand's primary config, and a `target_dtype` left None the operand's default
+    (e4m3 for input and weight, e5m2 for grad_output). The fields up to
+    `round_scales_to_power_of_2` are positional in torchao's order; the rest keyword-only.
+    `force_recompute_fp8_weight_in_bwd` is accepted for torchao compatibility and does
+    nothing: backward always re-casts the weight from the parameter (FSDP2 re-gathers it).
+    """
+
+    cast_config_input: CastConfig = field(default_factory=CastConfig)
+    cast_config_input_for_grad_weight: CastConfig | None = None
+    cast_config_weight: CastConfig = field(default_factory=CastConfig)
+    cast_config_weight_for_grad_input: CastConfig | None = None
+    cast_config_grad_output: CastConfig = field(default_factory=CastConfig)
+    cast_config_grad_output_for_grad_weight: CastConfig | None = None
+    gemm_config_output: Float8GemmConfig = Float8GemmConfig(use_fast_accum=True)
+    gemm_config_grad_input: Float8GemmConfig = Float8GemmConfig()
+    gemm_config_grad_weight: Float8GemmConfig = Float8GemmConfig()
+    enable_fsdp_float8_all_gather: bool = False
+    pad_inner_dim: bool = False
+    emulate: bool = False
+    force_recompute_fp8_weight_in_bwd: bool = False
+    round_scales_to_power_of_2: bool = False
+    _: KW_ONLY
+    delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
+    save_input_in_float8: bool = False
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for operand in OPERANDS:
+            self._resolve(operand)
+        if self.force_recompute_fp8_weight_in_bwd:
+            warnings.warn(
+                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated (as in "
+                "torchao) and has no effect: backward always re-casts the weight from the "
+                "parameter, never saving a float8 copy; drop the argument",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        for gemm, (left, right) in GEMM_OPERANDS.items():
+            if self.cast(left, gemm).enabled != self.cast(right, gemm).enabled:
+                raise ValueError(
+                    f"the {gemm.value} GEMM has {left.value} "
+                    f"{self.cast(left, gemm).scaling_type.value} but {right.value} "
+                    f"{self.cast(right, gemm).scaling_type.value}: both operands of a GEMM "
+                    "must be float8 or both high precision; disable or enable both"
+                )
+        for operand in OPERANDS:
+            self._check_second_use(operand)
+        if self.enable_fsdp_float8_all_gather:
+            self._check_fsdp_all_gather()
+        if self.save_input_in_float8:
+            self._check_save_input_in_float8()
+        casts = {name: self.cast(*key) for key, name in _OPERAND_FIELD.items()}
+        check_linear_blocks(
+            casts, pad_inner_dim=self.pad_inner_dim, power_of_2=self.round_scales_to_power_of_2
+        )
+
+    def _check_second_use(self, operand: Operand) -> None:
+        first = self.cast(operand, PRIMARY_GEMM[operand])
+        second = self.cast(operand, SECOND_GEMM[operand])
+        stateful = (ScalingType.DELAYED, ScalingType.STATIC)
+        if (first.scaling_type in stateful or second.scaling_type in stateful) and (
+            second.enabled and first.scaling_type is not second.scaling_type
+        ):
+            raise ValueError(
+                f"{operand.value} is {first.scaling_type.value} for its first GEMM but "
+                f"{second.scaling_type.value} for {SECOND_GEMM[operand].value}; "
+                "delayed and static scaling keep one scale per operand, so both uses must "
+                "share the scaling type (or disable the second use)"
+            )
+
+    def _check_fsdp_all_gather(self) -> None:
+        """The gathered weight serves both weight GEMMs. Tensorwise: one scale for both
+        (same dtype and scaling type). Axiswise (per output row, local to each dim-0 shard):
+        the grad_input weight is re-cast from the gathered rows (any dynamic cast)."""
+        fwd = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
+        bwd = self.cast(Operand.WEIGHT, Gemm.GRAD_INPUT)
+        if not (fwd.enabled and bwd.enabled):
+            raise ValueError(
+                "enable_fsdp_float8_all_gather=True needs a float8 weight in both weight "
+                f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
+                f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
+            )
+        if fwd.scaling_granularity is ScalingGranularity.AXISWISE:
+            return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
+        if fwd.scaling_granularity is ScalingGranularity.BLOCKWISE:
+            check_block_all_gather(fwd, bwd)
+            return
+        same_dtype = self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) == self.float8_dtype(
+            Operand.WEIGHT, Gemm.GRAD_INPUT
+        )
+        if not same_dtype or bwd.scaling_type is not fwd.scaling_type:
+            raise ValueError(
+                "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
+                "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "
+                "the same dtype and scaling type as cast_config_weight (or leave it None)"
+            )
+        if bwd.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            raise ValueError(
+                "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
+                "cast_config_weight_for_grad_input tensorwise (or leave it None)"
+            )
+
+    def _check_save_input_in_float8(self) -> None:
+        """Tensorwise: backward reuses the forward's float8 input. Blockwise: forward also
+        casts the input for grad_weight (tiles along the token dim) and saves that."""
+        first = self.cast(Operand.INPUT, Gemm.OUTPUT)
+        second = self.cast(Operand.INPUT, Gemm.GRAD_WEIGHT)
+        same = self.float8_dtype(Operand.INPUT, Gemm.OUTPUT) == self.float8_dtype(
+            Operand.INPUT, Gemm.GRAD_WEIGHT
+        )
+        kinds = {c.scaling_granularity for c in (first, second) if c.enabled}
+        both = first.enabled and second.enabled and len(kinds) == 1
+        if not (same and both and kinds <= {ScalingGranularity.TENSORWISE, _BLOCKWISE}):
+            raise ValueError(
+                "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
+                "input tensorwise (or blockwise) with the same dtype for output and "
+                "grad_weight; use the 'tensorwise', 'blockwise' or 'mxfp8' recipe or set "
+                "save_input_in_float8=False"
+            )
+
+    def _resolve(self, operand: Operand) -> None:
+        """Fill the operand's second-use config and both target dtypes (values filled by
+        an earlier resolution, passed back by `dataclasses.replace`, are derived again)."""
+        first_name = _OPERAND_FIELD[(operand, PRIMARY_GEMM[operand])]
+        second_name = _OPERAND_FIELD[(operand, SECOND_GEMM[operand])]
+        first = _with_dtype(_as_given(getattr(self, first_name)), operand)
+        second = getattr(self, second_name)
+        if second is None or filled(second) == "copy":
+            second = mark_filled(replace(first), "copy")
+        else:
+            second = _with_dtype(_as_given(second), operand)
+        object.__setattr__(self, first_name, first)
+        object.__setattr__(self, second_name, second)
+
+    def cast(self, operand: Operand, gemm: Gemm) -> CastConfig:
+        return getattr(self, _OPERAND_FIELD[(operand, gemm)])
+
+    def float8_dtype(self, operand: Operand, gemm: Gemm) -> torch.dtype:
+        return self.cast(operand, gemm).target_dtype
+
+    def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
+        return getattr(self, f"gemm_config_{gemm.value}")
+
+    def strategy(self, operand: Operand, gemm: Gemm) -> scaling.ScalingStrategy | None:
+        """The scaling strategy of one cast; None when the cast is disabled. The only place
+        where `ScalingType`/`ScalingGranularity` words are turned into behaviour."""
+        cfg = self.cast(operand, gemm)
+        if cfg.scaling_type is ScalingType.DISABLED:
+            return None
+        if cfg.scaling_type is ScalingType.STATIC:
+            return scaling.StaticScaling(scale=float(cfg.static_scale))
+        if cfg.scaling_type is ScalingType.DELAYED:
+            d = self.delayed_scaling_config
+            return scaling.DelayedScaling(
+                history_len=d.history_len,
+                scale_fn_name=d.scale_fn_name,
+                power_of_2=self.round_scales_to_power_of_2,
+            )
+        return scaling.DynamicScaling(
+            granularity=cfg.granularity(), power_of_2=self.round_scales_to_power_of_2
+        )
+
+    def any_float8(self) -> bool:
+        """False when every cast is disabled (all three GEMMs in high precision)."""
+        return any(self.cast(op, g).enabled for (op, g) in _OPERAND_FIELD)
+
+    def weight_wrapper_class(self) -> type:
+        """The weight wrapper (`fsdp_float8.fsdp.weight_wrappers`) that makes this config's
+        weight all-gather in float8: the scale source follows the weight's scaling type."""
+        from fsdp_float8.fsdp import weight_wrappers  # here: weight_wrappers imports this module
+
+        cfg = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
+        if cfg.scaling_granularity is _BLOCKWISE:  # dynamic only: scales from the shard
+            return weight_wrappers.BlockFloat8Weight
+        return getattr(weight_wrappers, _WEIGHT_WRAPPER[cfg.scaling_type])
+
+    def scaling_types(self) -> set[ScalingType]:
+        return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}
+
+    @classmethod
+    def from_recipe_name(
+        cls, recipe_name: Float8LinearRecipeName | str, **overrides
+    ) -> Float8LinearConfig:
+        """A named recipe (a `Float8LinearRecipeName` or its value: 'tensorwise',
+        'rowwise', 'rowwise_with_gw_hp', 'blockwise', 'mxfp8'), with any field overridden
+        by keyword."""
+        casts, flags = recipe_fields(recipe_name)
+        fields = {name: CastConfig(**kw) for name, kw in casts.items()}
+        return cls(**{**fields, **flags, **overrides})
+
+    @classmethod
+    def tensorwise(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.TENSORWISE, **overrides)
+
+    @classmethod
+    def rowwise(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.ROWWISE, **overrides)
+
+    @classmethod
+    def rowwise_with_gw_hp(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.ROWWISE_WITH_GW_HP, **overrides)
+
+    @classmethod
+    def blockwise(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.BLOCKWISE, **overrides)
+
+    @classmethod
+    def mxfp8(cls, **overrides) -> Float8LinearConfig:
+        return cls.from_recipe_name(Float8LinearRecipeName.MXFP8, **overrides)
+
+
+def _as_given(cfg: CastConfig) -> CastConfig:
+    """The cast config as the user gave it (undo a target_dtype we filled in)."""
+    return replace(cfg, target_dtype=None) if filled(cfg) == "dtype" else cfg
+
+
+def _with_dtype(cfg: CastConfig, operand: Operand) -> CastConfig:
+    if cfg.target_dtype is not None:
+        return cfg
+    return mark_filled(replace(cfg, target_dtype=_DEFAULT_DTYPE[operand]), "dtype")

@@ -1,0 +1,147 @@
+"""Float8Tensor: float8 data plus the scale that maps it back to high precision.
+
+Conventions (said once, here):
+- `hp` is a high-precision tensor, `*_fp8` / `_data` float8 data, `amax = max(abs(hp))`.
+- `scale` multiplies hp into the float8 range: `fp8 = saturate(hp * scale)`.
+- `inv_scale = 1 / scale` dequantizes (`hp ~= fp8 * inv_scale`); it is what
+  `torch._scaled_mm` takes.
+- A scale is 0-d (tensorwise) or has the data's rank with size 1 on the reduced dim
+  (axiswise), so it broadcasts against `_data`; view ops move the scale with the data.
+  A block-scaled tensor (`_block` = (rows, cols) of one block, `fsdp_float8.core.blocks`) has
+  one scale per block, shape (ceil(R / rows), ceil(C / cols)); it does not broadcast.
+
+The wrapper reports the original high-precision dtype (`_orig_dtype`) as its dtype, so
+autograd and FSDP2 see a tensor of the parameter's dtype. Ops on it live in `float8_ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_float8.core.blocks import dequantize_blocks
+from fsdp_float8.core.scaling import cast_to_float8_data
+
+
+class Float8Tensor(torch.Tensor):
+    _data: torch.Tensor
+    _scale: torch.Tensor
+    _orig_dtype: torch.dtype
+    _emulate: bool
+    _block: tuple[int, int] | None
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        emulate: bool = False,
+        block: tuple[int, int] | None = None,
+    ):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=orig_dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+        self._data = data
+        self._scale = scale
+        self._orig_dtype = orig_dtype
+        self._emulate = emulate
+        self._block = None if block is None else (int(block[0]), int(block[1]))
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8Tensor(dtype={self._data.dtype}, orig_dtype={self._orig_dtype}, "
+            f"shape={tuple(self.shape)}, scale_shape={tuple(self._scale.shape)}, "
+            f"emulate={self._emulate}{'' if self._block is None else f', block={self._block}'})"
+        )
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], (self._orig_dtype, self._emulate, self._block)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        orig_dtype, emulate, block = meta
+        return Float8Tensor(inner["_data"], inner["_scale"], orig_dtype, emulate, block)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from fsdp_float8.core.float8_ops import FLOAT8_OPS
+
+        handler = FLOAT8_OPS.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"Float8Tensor does not support {func}; convert it first with "
+                ".to_original_precision() (or file an issue if this op should be supported)"
+            )
+        return handler(func, args, kwargs or {})
+
+    @property
+    def float8_dtype(self) -> torch.dtype:
+        return self._data.dtype
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self._scale.reciprocal()
+
+    def dequantize(self) -> torch.Tensor:
+        """High-precision value, not differentiable (see `to_original_precision`)."""
+        if self._block is not None:
+            return dequantize_blocks(self._data, self._scale, self._block, self._orig_dtype)
+        return (self._data.to(torch.float32) * self.inv_scale).to(self._orig_dtype)
+
+    def to_original_precision(self) -> torch.Tensor:
+        return _FromFloat8.apply(self)
+
+    def __reduce_ex__(self, protocol):
+        args = (self._data, self._scale, self._orig_dtype, self._emulate, self._block)
+        return (_rebuild_float8_tensor, args)
+
+
+def _rebuild_float8_tensor(data, scale, orig_dtype, emulate, block=None):
+    return Float8Tensor(data, scale, orig_dtype, emulate, block)
+
+
+class _ToFloat8(torch.autograd.Function):
+    """hp -> Float8Tensor; the gradient passes straight through (cast is treated as identity)."""
+
+    @staticmethod
+    def forward(ctx, hp, scale, float8_dtype, emulate):
+        data = cast_to_float8_data(hp, scale, float8_dtype)
+        return Float8Tensor(data, scale, hp.dtype, emulate)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class _FromFloat8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fp8: Float8Tensor):
+        return fp8.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def hp_to_float8(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+    *,
+    emulate: bool = False,
+) -> Float8Tensor:
+    """The one differentiable constructor: saturating cast of `hp` with `scale`."""
+    if isinstance(hp, Float8Tensor):
+        raise TypeError("hp_to_float8 got a Float8Tensor; it expects a high-precision tensor")
+    if scale.dtype != torch.float32:
+        raise TypeError(f"scale must be float32, got {scale.dtype}; torch._scaled_mm needs it")
+    return _ToFloat8.apply(hp, scale, float8_dtype, emulate)

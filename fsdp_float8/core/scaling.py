@@ -1,0 +1,294 @@
+"""How a tensor is scaled: the scale math once, and one small frozen class per strategy.
+
+Scale math (the house rule): amax in float32, floored at EPS, `fp8_max / amax` divided in
+float64 (so eager and torch.compile agree bit for bit), optionally rounded down to a power
+of two, then stored as float32. Casting multiplies by the scale and saturates at fp8_max.
+
+Granularity says what one scale covers: `Tensorwise` (one 0-d scale), `Axiswise` (one
+scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts)
+or `Blockwise` (one scale per block of a 2-D operand, e.g. 1x128 tiles along the
+contraction dim, 128x128 weight blocks, MX 1x32 with e8m0 scales; see `fsdp_float8.core.blocks`).
+Each granularity also casts with its scale (`cast`), since a block scale does not broadcast.
+Strategies say where the scale comes from:
+- `DynamicScaling`: from the tensor's own amax, now.
+- `DelayedScaling`: from a history of past amaxes (`fsdp_float8.fsdp.delayed_state`, the one
+  home of that state); the current amax is recorded for the next sync.
+- `StaticScaling`: a fixed user-given number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, expand_block_scale
+
+if TYPE_CHECKING:
+    from fsdp_float8.fsdp.delayed_state import DelayedState
+
+EPS = 1e-12
+
+
+def float8_max(float8_dtype: torch.dtype) -> float:
+    return float(torch.finfo(float8_dtype).max)
+
+
+def amax_to_scale(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool = False
+) -> torch.Tensor:
+    """fp8_max / amax as float32, computed in float64; amax == 0 gives a large finite scale."""
+    amax64 = amax.to(torch.float64).clamp(min=EPS)
+    scale = (float8_max(float8_dtype) / amax64).to(torch.float32)
+    if power_of_2:
+        scale = round_down_to_power_of_2(scale)
+    return scale
+
+
+def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Exact: keep the sign and exponent bits of the float32, zero the mantissa."""
+    return (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
+
+
+def cast_to_float8_data(
+    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+) -> torch.Tensor:
+    """Saturating cast: clamp(hp * scale) to the float8 range, then convert.
+
+    One float32 temporary, scaled and clamped in place (eager allocates once instead of
+    three times; under torch.compile it is one fused kernel either way)."""
+    fmax = float8_max(float8_dtype)
+    scaled = hp.detach().to(torch.float32, copy=True).mul_(scale).clamp_(min=-fmax, max=fmax)
+    return scaled.to(float8_dtype)
+
+
+# amax = max |x|, the one home of the reduction. Never `abs()` first: that writes a
+# full-size temporary. `linalg.vector_norm(inf)` is one pass on CUDA but runs 10-40x slower
+# than aminmax/amax on CPU (`scripts/bench_cast.py --cases amax,amax_vector_norm`), so the
+# reductions here are min and max, whose results are exact and device independent.
+
+
+def _abs_max(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """max |x| from min and max, float32 (abs() of both: never -0.0)."""
+    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+
+
+def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
+    """max |x| of the whole tensor as a 0-d float32 (0 for an empty tensor, e.g. an
+    FSDP shard of a weight with fewer rows than ranks)."""
+    hp = hp.detach()
+    if hp.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=hp.device)
+    lo, hi = torch.aminmax(hp)
+    return _abs_max(lo, hi)
+
+
+def axis_amax(hp: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along `dim` (kept, so it broadcasts back), float32; 0 where `dim` is empty.
+    On CUDA one aminmax pass; on CPU amin then amax, which there run 3x to 6x faster than
+    aminmax along a dim."""
+    hp = hp.detach()
+    if hp.shape[dim] == 0:  # no rows to reduce (an empty batch): amax 0, as tensor_amax
+        shape = list(hp.shape)
+        shape[dim] = 1
+        return torch.zeros(shape, dtype=torch.float32, device=hp.device)
+    if hp.is_cuda:
+        lo, hi = torch.aminmax(hp, dim=dim, keepdim=True)
+    else:
+        lo, hi = hp.amin(dim=dim, keepdim=True), hp.amax(dim=dim, keepdim=True)
+    return _abs_max(lo, hi)
+
+
+def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensor_amax` of each tensor (0-d float32 each). On CUDA one
+    batched `_foreach_norm(inf)` kernel for the whole list; elsewhere (where foreach ops
+    loop per tensor anyway) one aminmax per tensor. Both are exact, so the values agree."""
+    if tensors and all(t.is_cuda and t.numel() for t in tensors):
+        norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
+        return [n.to(torch.float32) for n in norms]
+    return [tensor_amax(t) for t in tensors]
+
+
+class Granularity(Protocol):
+    # True when one cast serves the operand contracted along either dim (tensorwise,
+    # square blocks): the layer then reuses it for the operand's second GEMM
+    transpose_invariant: bool
+    scale_dtype: torch.dtype  # how the scale is sent (all-gather, CUDA GEMM)
+
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def block(self, dim: int) -> tuple[int, int] | None:
+        """(rows, cols) of a block of a 2-D operand contracted along `dim`; None when the
+        scale broadcasts (tensorwise, axiswise)."""
+        ...
+
+    def cast(
+        self, hp: torch.Tensor, scale: torch.Tensor, dim: int, float8_dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+    def broadcastable(self, scale: torch.Tensor, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        """The scale in a form that broadcasts against `hp` (for statistics)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Tensorwise:
+    transpose_invariant = True
+    scale_dtype = torch.float32
+
+    def block(self, dim: int) -> None:
+        return None
+
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor_amax(hp)
+
+    def cast(self, hp, scale, dim, float8_dtype):
+        return cast_to_float8_data(hp, scale, float8_dtype)
+
+    def broadcastable(self, scale, hp, dim):
+        return scale
+
+
+@dataclass(frozen=True)
+class Axiswise:
+    transpose_invariant = False
+    scale_dtype = torch.float32
+
+    def block(self, dim: int) -> None:
+        return None
+
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        return axis_amax(hp, dim)  # scales carry no gradient
+
+    def cast(self, hp, scale, dim, float8_dtype):
+        return cast_to_float8_data(hp, scale, float8_dtype)
+
+    def broadcastable(self, scale, hp, dim):
+        return scale
+
+
+@dataclass(frozen=True)
+class Blockwise:
+    """One scale per block of `shape = (across, along)` elements of a 2-D operand: `along`
+    on the dim the GEMM contracts, `across` on the other. (1, 128) is DeepSeek's activation
+    tile, (128, 128) its weight block, (1, 32) / (32, 32) MX's; a square block is the same
+    whichever dim is contracted, so one cast serves both of a weight's GEMMs.
+    `scale_dtype` is how the scale is stored and sent: float32, or `torch.float8_e8m0fnu`
+    (MX: the scale must be a power of two, which `DynamicScaling(power_of_2=True)` gives by
+    RCEIL, see `fsdp_float8.core.blocks.e8m0_from_scale`). In memory the scale is float32 either
+    way, in this package's convention (multiplies hp into float8 range)."""
+
+    shape: tuple[int, int] = (1, 128)
+    scale_dtype: torch.dtype = torch.float32
+
+    @property
+    def transpose_invariant(self) -> bool:
+        return self.shape[0] == self.shape[1]
+
+    def block(self, dim: int) -> tuple[int, int]:
+        """(rows, cols) of one block of a 2-D operand contracted along `dim`."""
+        across, along = self.shape
+        return (across, along) if dim in (-1, 1) else (along, across)
+
+    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+        return block_amax(hp, self.block(dim))
+
+    def cast(self, hp, scale, dim, float8_dtype):
+        return cast_to_float8_blocks(hp, scale, self.block(dim), float8_dtype)
+
+    def broadcastable(self, scale, hp, dim):
+        return expand_block_scale(scale, self.block(dim), hp.shape)
+
+
+class ScalingStrategy(Protocol):
+    def scale(
+        self,
+        hp: torch.Tensor,
+        dim: int,
+        float8_dtype: torch.dtype,
+        state: DelayedState | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DynamicScaling:
+    granularity: Granularity = Tensorwise()
+    power_of_2: bool = False
+
+    def scale(self, hp, dim, float8_dtype, state=None):
+        amax = self.granularity.amax(hp, dim)
+        return amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Tensorwise only. The scale comes from the layer's `DelayedState` (its buffers and
+    history live in `fsdp_float8.fsdp.delayed_state`); the current amax is recorded there for the
+    next sync. Before the first sync the operand is scaled by its own amax."""
+
+    history_len: int = 16
+    scale_fn_name: str = "max"
+    power_of_2: bool = False
+    granularity: Granularity = Tensorwise()
+
+    def scale(self, hp, dim, float8_dtype, state=None):
+        if state is None:
+            raise ValueError("delayed scaling needs the layer's DelayedState; got None")
+        amax = self.granularity.amax(hp.detach(), dim)
+        state.record(amax)
+        fresh = amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+        return torch.where(state.initialized, state.scale, fresh)
+
+
+def check_static_scale(scale: float | None, dtypes: tuple[torch.dtype, ...]) -> None:
+    """A user-given static scale must be finite and > 0, with fp8_max / scale (the largest
+    hp value the cast keeps) a finite float32 and 1 / scale (what the GEMM multiplies by)
+    not underflowing float32, or outputs come out NaN or all zero."""
+    if scale is None or not scale > 0 or not math.isfinite(scale):
+        raise ValueError(
+            f"static scaling needs a finite static_scale > 0, got {scale!r}; pass "
+            "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
+        )
+    f32 = torch.finfo(torch.float32)
+    lo = max(float8_max(d) for d in dtypes) / f32.max
+    hi = 1 / f32.tiny
+    if not lo <= scale <= hi:
+        raise ValueError(
+            f"static_scale={scale!r} is outside [{lo:.3g}, {hi:.3g}]: fp8_max / "
+            "static_scale must be a finite float32 and 1 / static_scale must not "
+            "underflow. The scale multiplies values into float8 range: pass fp8_max / "
+            "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
+        )
+
+
+@dataclass(frozen=True)
+class StaticScaling:
+    scale_value: float = 1.0
+    granularity: Granularity = Tensorwise()
+
+    def __init__(self, scale: float, granularity: Granularity = Tensorwise()):
+        object.__setattr__(self, "scale_value", float(scale))
+        object.__setattr__(self, "granularity", granularity)
+
+    def scale(self, hp, dim, float8_dtype, state=None):
+        return static_scale_tensor(self.scale_value, hp.device)
+
+
+_STATIC_SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def static_scale_tensor(value: float, device: torch.device) -> torch.Tensor:
+    """A static scale as a 0-d float32 tensor on `device`, made once per (value, device):
+    `torch.tensor(python_float, device="cuda")` on every cast would be a pageable
+    host-to-device copy each time. Shared and read-only: never write into it."""
+    if torch.compiler.is_compiling():  # a constant of the graph
+        return torch.tensor(value, dtype=torch.float32, device=device)
+    key = (float(value), torch.device(device))
+    scale = _STATIC_SCALES.get(key)
+    if scale is None:
+        with torch.inference_mode(False), torch.no_grad():  # usable by autograd later
+            scale = torch.tensor(key[0], dtype=torch.float32, device=key[1])
+        _STATIC_SCALES[key] = scale
+    return scale

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: the three grouped GEMMs and the expert modules."""

@@ -1,0 +1,217 @@
+"""Float8 expert projections: the three GEMMs of E linear layers at once, tokens grouped.
+
+Mental model: an expert projection is a stack of E linear layers, one 3-D weight
+`(E, out, in)` whose `weight[e]` is expert e's `nn.Linear` weight. The tokens come already
+permuted by expert with offsets (`fsdp_float8.experts.grouped_mm`), so expert parallelism (an
+all-to-all dispatch in front) can come later without touching this. Per expert, the GEMMs
+are the linear layer's (`linear.py`, same words):
+
+    output[g]      = input[g] @ weight[e].T        contracts over in
+    grad_input[g]  = grad_output[g] @ weight[e]    contracts over out
+    grad_weight[e] = grad_output[g].T @ input[g]   contracts over expert e's tokens
+
+One autograd function runs them, cast as a `Float8LinearConfig` says (recipes `rowwise`,
+`tensorwise`, `rowwise_with_gw_hp`; dynamic scaling only). Rowwise scales follow each
+GEMM's contraction dim: per token row for input and grad_output in the first two GEMMs; per
+expert output row `(E, out, 1)` for the weight in output and `(E, 1, in)` in grad_input; per
+expert and column for the grad_weight operands. A weight that arrives as a `Float8Tensor`
+(the FSDP2 float8 all-gather of `weight_wrappers`, per-row scales local to each expert) is
+used as it is; as in `linear.py`, with rowwise float8 all-gather the grad_input weight is
+re-cast from the row-cast weight, sharded or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_float8.core.config import GEMM_OPERANDS, GEMMS, Float8LinearConfig, Gemm, Operand
+from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.scaling import (
+    Axiswise,
+    DynamicScaling,
+    Tensorwise,
+    amax_to_scale,
+    cast_to_float8_data,
+)
+from fsdp_float8.experts.grouped_mm import (
+    group_column_amax,
+    grouped_mm_hp,
+    grouped_scaled_mm,
+    per_row,
+)
+
+_CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
+GROUPS = "groups"  # the grad_weight operands: per expert, along its tokens
+# the dim each cast reduces over: tokens (M, K) / grad_output (M, N), weight (E, N, K)
+EXPERT_SCALE_DIM: dict[tuple[Operand, Gemm], int | str] = {
+    (Operand.INPUT, Gemm.OUTPUT): -1,
+    (Operand.WEIGHT, Gemm.OUTPUT): -1,
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): -1,
+    (Operand.WEIGHT, Gemm.GRAD_INPUT): -2,
+    (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): GROUPS,
+    (Operand.INPUT, Gemm.GRAD_WEIGHT): GROUPS,
+}
+
+
+@dataclass(frozen=True)
+class ExpertCastPlan:
+    """The resolved casts of an expert projection, computed once from its config."""
+
+    strategies: dict[tuple[Operand, Gemm], DynamicScaling | None]
+    dtypes: dict[tuple[Operand, Gemm], torch.dtype]
+    fast_accum: dict[Gemm, bool]
+    emulate: bool
+    pad_inner_dim: bool
+    weight_from_rows: bool
+
+    @classmethod
+    def from_config(cls, config: Float8LinearConfig) -> ExpertCastPlan:
+        check_expert_config(config)
+        strategies = {k: config.strategy(*k) for k in _CASTS}
+        rowwise_weight = _rowwise(strategies[(Operand.WEIGHT, Gemm.OUTPUT)])
+        return cls(
+            strategies=strategies,
+            dtypes={k: config.float8_dtype(*k) for k in _CASTS},
+            fast_accum={g: config.gemm_config(g).use_fast_accum for g in GEMMS},
+            emulate=config.emulate,
+            pad_inner_dim=config.pad_inner_dim,
+            weight_from_rows=config.enable_fsdp_float8_all_gather and rowwise_weight,
+        )
+
+
+def check_expert_config(config: Float8LinearConfig) -> None:
+    """Expert GEMMs scale dynamically (tensorwise or rowwise): refuse the rest up front."""
+    for op, gemm in _CASTS:
+        strategy = config.strategy(op, gemm)
+        granularity = getattr(strategy, "granularity", None)
+        if strategy is not None and not isinstance(granularity, (Tensorwise, Axiswise)):
+            raise ValueError(
+                f"block-scaled float8 expert GEMMs are not supported yet; {op.value} for "
+                f"{gemm.value} has {granularity}. Give the experts a tensorwise or rowwise "
+                "recipe: convert_to_float8_training(model, config=..., expert_config="
+                "Float8LinearConfig.from_recipe_name('rowwise'))"
+            )
+        if strategy is not None and not isinstance(strategy, DynamicScaling):
+            raise ValueError(
+                f"float8 expert GEMMs scale dynamically only; {op.value} for {gemm.value} is "
+                f"{config.cast(op, gemm).scaling_type.value}. Use a dynamic recipe for the "
+                "experts ('rowwise', 'tensorwise', 'rowwise_with_gw_hp'), e.g. "
+                "convert_to_float8_training(model, config=..., expert_config="
+                "Float8LinearConfig.from_recipe_name('rowwise'))"
+            )
+
+
+def _rowwise(strategy) -> bool:
+    return strategy is not None and isinstance(strategy.granularity, Axiswise)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: ExpertCastPlan, offs) -> Pair:
+    """(float8 data, scale) of one operand for one GEMM; (hp, None) for a high-precision
+    GEMM. Grad_weight operands get per-(expert, column) scales (E, C) when rowwise."""
+    strategy = plan.strategies[(op, gemm)]
+    if strategy is None:
+        return hp, None
+    dtype, dim = plan.dtypes[(op, gemm)], EXPERT_SCALE_DIM[(op, gemm)]
+    if dim != GROUPS or not _rowwise(strategy):
+        scale = strategy.scale(hp, -1 if dim == GROUPS else dim, dtype)
+        return cast_to_float8_data(hp, scale, dtype), scale
+    amax = group_column_amax(hp, offs)
+    scale = amax_to_scale(amax, dtype, power_of_2=strategy.power_of_2)
+    return cast_to_float8_data(hp, per_row(scale, offs, hp.shape[0]), dtype), scale
+
+
+def expert_weight_for(weight, gemm: Gemm, plan: ExpertCastPlan, offs) -> Pair:
+    """The weight (E, N, K) cast for `gemm`: a gathered Float8Tensor as it is (output), its
+    rows re-cast along `out` for grad_input (rowwise), or a cast of the hp weight."""
+    if isinstance(weight, Float8Tensor):  # pre-cast by the FSDP2 float8 all-gather
+        rows: Pair = (weight._data, weight._scale)
+    elif gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
+        rows = cast_expert_operand(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, offs)
+    else:
+        return cast_expert_operand(weight, Operand.WEIGHT, gemm, plan, offs)
+    if gemm is Gemm.OUTPUT or rows[1].dim() == 0:
+        return rows
+    hp = rows[0].to(torch.float32) * rows[1].reciprocal()
+    return cast_expert_operand(hp, Operand.WEIGHT, gemm, plan, offs)
+
+
+def _t3(pair: Pair) -> Pair:
+    data, scale = pair
+    scale = scale.transpose(-2, -1) if scale is not None and scale.dim() == 3 else scale
+    return data.transpose(-2, -1), scale
+
+
+def _gemm(left: Pair, right: Pair, offs, gemm: Gemm, plan: ExpertCastPlan, out_dtype):
+    (a, a_scale), (b, b_scale) = left, right
+    if a_scale is None:
+        return grouped_mm_hp(a, b, offs, out_dtype)
+    return grouped_scaled_mm(
+        a,
+        a_scale,
+        b,
+        b_scale,
+        offs,
+        out_dtype=out_dtype,
+        emulate=plan.emulate,
+        use_fast_accum=plan.fast_accum[gemm],
+        pad_inner_dim=plan.pad_inner_dim,
+    )
+
+
+class _Float8GroupedExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offs, plan: ExpertCastPlan):
+        x_fp8 = cast_expert_operand(x, Operand.INPUT, Gemm.OUTPUT, plan, offs)
+        w_fp8 = expert_weight_for(weight, Gemm.OUTPUT, plan, offs)
+        out = _gemm(x_fp8, _t3(w_fp8), offs, Gemm.OUTPUT, plan, x.dtype)
+        ctx.save_for_backward(x, weight, offs)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, offs = ctx.saved_tensors
+        plan = ctx.plan
+        grad_out = grad_out.contiguous()  # an expanded gradient (sum()) has stride 0
+        go = cast_expert_operand(grad_out, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, offs)
+        w_gi = expert_weight_for(weight, Gemm.GRAD_INPUT, plan, offs)
+        grad_x = _gemm(go, w_gi, offs, Gemm.GRAD_INPUT, plan, grad_out.dtype)
+        go_gw = cast_expert_operand(grad_out, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, offs)
+        x_gw = cast_expert_operand(x, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, offs)
+        go_t = (go_gw[0].t(), go_gw[1])  # (N, M) with its per-(expert, row) scale (E, N)
+        grad_w = _gemm(go_t, x_gw, offs, Gemm.GRAD_WEIGHT, plan, weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+def float8_grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, plan: ExpertCastPlan
+) -> torch.Tensor:
+    """`x (M, in)` grouped by `offs` times each expert's `weight[e].T`: `(M, out)`, in
+    float8 as `plan` says, differentiable in x and weight."""
+    _check_operands(x, weight, offs)
+    return _Float8GroupedExpertsFn.apply(x, weight, offs, plan)
+
+
+def _check_operands(x, weight, offs) -> None:
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
+        raise ValueError(
+            f"float8_grouped_mm takes tokens (M, in) and an expert weight (E, out, in), got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}; flatten the tokens and pass the "
+            "3-D weight in the nn.Linear layout (out, in) per expert"
+        )
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() != weight.shape[0]:
+        raise ValueError(
+            f"offs must be a 1-D int32 tensor of {weight.shape[0]} cumulative token counts "
+            f"(one per expert), got {offs.dtype} of shape {tuple(offs.shape)}; build it as "
+            "torch.cumsum(tokens_per_expert, 0).to(torch.int32)"
+        )
+    if not offs.is_cuda and offs.numel() and int(offs[-1]) != x.shape[0]:  # no sync on CPU
+        raise ValueError(
+            f"offs ends at {int(offs[-1])} but there are {x.shape[0]} token rows; every token "
+            "row must belong to an expert (permute the routed tokens, then pass their counts)"
+        )

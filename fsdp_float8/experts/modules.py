@@ -1,0 +1,183 @@
+"""Float8 expert modules and the expert layouts they replace (the module swap for MoE).
+
+Mental model: an experts module holds 3-D weights `(E, out, in)` (each `weight[e]` an
+nn.Linear weight) and runs them on routed tokens. Two layouts are recognised:
+
+- torchtitan-style `GroupedExperts`: `w1`, `w3` `(E, hidden, dim)` and `w2` `(E, dim,
+  hidden)`, `forward(x, num_tokens_per_expert)` with the tokens already permuted by expert;
+  `out = (silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T`. This repository's own MoE block
+  (`scripts/moe.py`) uses it.
+- Hugging Face `transformers` 5.x fused experts (`Qwen3MoeExperts`, `MixtralExperts`, ...):
+  `gate_up_proj (E, 2*inter, hidden)`, `down_proj (E, hidden, inter)`, `act_fn`,
+  `forward(hidden_states, top_k_index, top_k_weights)` with the tokens in model order.
+
+`plan_expert_swap` says for a module whether it is an experts module, and either the float8
+module that replaces it (sharing its parameters) or why it is skipped. The float8 modules
+permute tokens by expert where needed and run `fsdp_float8.experts.gemm.float8_grouped_mm`; with
+`enable_fsdp_float8_all_gather` their 3-D weights become float8 weight wrappers, so FSDP2
+gathers them in float8 (1 byte per element plus per-row scales for rowwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.experts.gemm import ExpertCastPlan, check_expert_config, float8_grouped_mm
+from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
+
+_TITAN = ("w1", "w2", "w3")
+_FUSED = ("gate_up_proj", "down_proj")
+
+
+def expert_layout(module: nn.Module) -> str | None:
+    """'grouped' (w1/w2/w3), 'fused' (gate_up_proj/down_proj), or None (not experts)."""
+    if isinstance(module, Float8ExpertsBase):
+        return module.layout
+    for layout, names in (("grouped", _TITAN), ("fused", _FUSED)):
+        params = [getattr(module, n, None) for n in names]
+        if all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params):
+            return layout
+    return None
+
+
+def has_3d_parameters(module: nn.Module) -> bool:
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def skip_reason(module: nn.Module, config: Float8LinearConfig) -> str | None:
+    """Why this experts module stays in high precision, or None to convert it."""
+    layout = expert_layout(module)
+    if layout is None:
+        names = [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        return (
+            f"3-D parameters {names} in no known expert layout (w1/w2/w3 as torchtitan's "
+            "GroupedExperts, or gate_up_proj/down_proj as transformers' fused experts)"
+        )
+    if isinstance(module, Float8ExpertsBase):
+        return "already float8 experts"
+    if layout == "fused":
+        flags = {"has_bias": False, "is_transposed": False, "has_gate": True}
+        flags["is_concatenated"] = True
+        off = {k: getattr(module, k) for k, v in flags.items() if getattr(module, k, v) != v}
+        if off or not hasattr(module, "act_fn"):
+            return f"transformers experts with {off or 'no act_fn'}: only the concatenated [gate; up] layout (E, out, in) without biases is supported"
+    try:
+        check_expert_config(config)
+    except ValueError as e:
+        return str(e)
+    dims = _weight_dims(module, layout)
+    if not config.pad_inner_dim and any(d % 16 for d in dims):
+        return f"expert dims {dims} not multiples of 16 (set pad_inner_dim=True to pad)"
+    return None
+
+
+def _weight_dims(module: nn.Module, layout: str) -> tuple[int, ...]:
+    names = _TITAN if layout == "grouped" else _FUSED
+    return tuple(sorted({d for n in names for d in getattr(module, n).shape[1:]}))
+
+
+def to_float8_experts(module: nn.Module, config: Float8LinearConfig) -> Float8ExpertsBase:
+    """The float8 module for an experts module `skip_reason` accepted (parameters shared)."""
+    cls = Float8GroupedExperts if expert_layout(module) == "grouped" else Float8FusedExperts
+    return cls.from_experts(module, config)
+
+
+class Float8ExpertsBase(nn.Module):
+    layout: str
+    weight_names: tuple[str, ...]
+
+    def _setup(self, source: nn.Module, config: Float8LinearConfig) -> None:
+        self.config = config
+        self.plan = ExpertCastPlan.from_config(config)
+        for name in self.weight_names:
+            setattr(self, name, getattr(source, name))  # shared, not copied
+        self.num_experts = getattr(source, self.weight_names[0]).shape[0]
+        # as Float8Linear: checkpoints hold plain tensors; a load (assign=True) re-wraps
+        self._register_state_dict_hook(_plain_weights_in_state_dict)
+        self.register_load_state_dict_post_hook(lambda m, keys: m.wrap_weights_for_fsdp())
+        self.wrap_weights_for_fsdp()
+
+    def wrap_weights_for_fsdp(self) -> None:
+        """With `enable_fsdp_float8_all_gather`, each 3-D weight becomes a float8 weight
+        wrapper (idempotent; the storage is shared)."""
+        if not self.config.enable_fsdp_float8_all_gather:
+            return
+        wrapper_class = self.config.weight_wrapper_class()
+        for name in self.weight_names:
+            p = getattr(self, name)
+            if not isinstance(p, Float8WeightWrapper):
+                wrapped = wrapper_class(p.data, self.config)
+                setattr(self, name, nn.Parameter(wrapped, requires_grad=p.requires_grad))
+
+    def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
+        return float8_grouped_mm(x, getattr(self, name), offs, self.plan)
+
+    def extra_repr(self) -> str:
+        shapes = ", ".join(f"{n}={tuple(getattr(self, n).shape)}" for n in self.weight_names)
+        return f"{shapes}, fsdp_float8_all_gather={self.config.enable_fsdp_float8_all_gather}"
+
+
+def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    for name in module.weight_names:
+        key = prefix + name
+        if key in state_dict:
+            value, weight = state_dict[key], getattr(module, name)
+            own = plain_weight(weight)
+            state_dict[key] = own if value is weight else own.detach()
+
+
+class Float8GroupedExperts(Float8ExpertsBase):
+    """torchtitan-style experts in float8: `forward(x, num_tokens_per_expert)`, x permuted."""
+
+    layout = "grouped"
+    weight_names = _TITAN
+
+    @classmethod
+    def from_experts(cls, source: nn.Module, config: Float8LinearConfig):
+        new = cls()
+        new._setup(source, config)
+        return new
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(num_tokens_per_expert, 0).to(torch.int32)
+        h = F.silu(self.grouped(x, "w1", offs)) * self.grouped(x, "w3", offs)
+        return self.grouped(h, "w2", offs)
+
+
+class Float8FusedExperts(Float8ExpertsBase):
+    """transformers fused experts in float8: the same forward signature, tokens in model
+    order; routed copies of the tokens are sorted by expert and weighted back."""
+
+    layout = "fused"
+    weight_names = _FUSED
+
+    @classmethod
+    def from_experts(cls, source: nn.Module, config: Float8LinearConfig):
+        new = cls()
+        new.act_fn = source.act_fn
+        new._setup(source, config)
+        return new
+
+    def forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        x, offs, token_of, order = permute_by_expert(hidden_states, top_k_index, self.num_experts)
+        gate, up = self.grouped(x, "gate_up_proj", offs).chunk(2, dim=-1)
+        y = self.grouped(self.act_fn(gate) * up, "down_proj", offs)
+        y = y * top_k_weights.reshape(-1)[order, None]
+        out = torch.zeros_like(hidden_states)
+        return out.index_add_(0, token_of, y.to(out.dtype))
+
+
+def permute_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor, num_experts: int):
+    """Copies of the tokens sorted by expert: (x, offs, token of each row, sort order).
+    Index `num_experts` (transformers' marker for a slot not routed here) is dropped."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    routed = int(offs[-1])  # host copy: rows past it were routed to no local expert
+    order = order[:routed]
+    token_of = order // top_k_index.shape[-1]
+    return hidden[token_of], offs, token_of, order

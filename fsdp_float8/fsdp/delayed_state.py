@@ -1,0 +1,237 @@
+"""Delayed scaling state: everything a layer keeps for delayed scaling, in one small module.
+
+Mental model. A delayed-scaled operand is cast with a scale computed at the last *sync*
+from a history of past amaxes, so the cast needs no amax of its own tensor first. Between
+syncs every training cast records `max(amax seen, amax now)` into `fp8_amax_<op>`; a sync
+reduces those amaxes across the data-parallel ranks (one collective for the whole model,
+`fsdp_float8.fsdp.step`), rolls `fp8_amax_history_<op>` (newest first) and recomputes
+`fp8_scale_<op>` from it, identically on every rank. Before the first sync there is no
+history (`fp8_initialized_<op>` False): the operand is scaled by its own amax, as dynamic
+scaling would, and that amax is recorded like any other.
+
+`DelayedScalingState` is that state for one `Float8Linear` (its child `delayed_scaling`,
+None when no operand is delayed):
+- buffers per delayed operand, always float32 (bool for `initialized`): `.to(bfloat16)`
+  leaves them alone, `to_empty()` after meta init resets them;
+- `fp8_forwards` (not saved): training forwards since the last sync, counted on the
+  device, so a compiled forward reads no host counter (one graph for any number of
+  micro-batches) and the sync knows, per rank, which layers ran;
+- host flags: `weight_ready` (the weight's scale was seeded or synced, so a float8
+  all-gather can use it without a collective; refreshed by a load hook, so no forward or
+  hook reads a device flag), `synced_step` (the optimizer step count at the last sync);
+- the scale source of a delayed float8-gathered weight (`weight_scale`), the views the
+  casts use (`views`), and the sync's two halves (`slots`, `apply_reduced`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fsdp_float8.core.config import OPERANDS, PRIMARY_GEMM, Float8LinearConfig, Operand
+from fsdp_float8.core.scaling import DelayedScaling, amax_to_scale, tensor_amax
+from fsdp_float8.fsdp.amax_sync import Group, all_reduce_amax_
+
+_KINDS = ("amax", "amax_history", "scale", "initialized")
+
+
+class DelayedState(NamedTuple):
+    """One operand's delayed state: views of a `DelayedScalingState`'s buffers."""
+
+    amax: torch.Tensor  # () float32: max amax recorded since the last sync
+    amax_history: torch.Tensor  # (history_len,) float32, most recent first
+    scale: torch.Tensor  # () float32: the scale used until the next sync
+    initialized: torch.Tensor  # () bool: a sync has happened
+
+    def record(self, amax: torch.Tensor) -> None:
+        self.amax.copy_(torch.maximum(self.amax, amax))
+
+    def roll(
+        self,
+        amax: torch.Tensor,
+        strategy: DelayedScaling,
+        dtype: torch.dtype,
+        *,
+        where: torch.Tensor | bool = True,
+    ) -> None:
+        """Push the (cross-rank reduced) amax into the history and refresh the scale, where
+        `where` holds (a 0-d bool, decided on the device); the recorded amax is cleared."""
+        history = torch.roll(self.amax_history, 1)
+        history[0] = amax
+        source = history.amax() if strategy.scale_fn_name == "max" else history[0]
+        scale = amax_to_scale(source, dtype, power_of_2=strategy.power_of_2)
+        where = torch.as_tensor(where, device=history.device)
+        self.amax_history.copy_(torch.where(where, history, self.amax_history))
+        self.scale.copy_(torch.where(where, scale, self.scale))
+        self.initialized.copy_(self.initialized | where)
+        self.amax.zero_()
+
+
+class DelayedScalingState(nn.Module):
+    """The delayed-scaling buffers and host flags of one layer (see the module docstring)."""
+
+    def __init__(self, config: Float8LinearConfig, device: torch.device | None = None):
+        super().__init__()
+        self.strategies: dict[Operand, DelayedScaling] = {}
+        self.dtypes: dict[Operand, torch.dtype] = {}
+        for op in OPERANDS:
+            strategy = config.strategy(op, PRIMARY_GEMM[op])
+            if isinstance(strategy, DelayedScaling):
+                self.strategies[op] = strategy
+                self.dtypes[op] = config.float8_dtype(op, PRIMARY_GEMM[op])
+        self.operands: tuple[Operand, ...] = tuple(self.strategies)
+        self.max_forwards_without_sync = config.delayed_scaling_config.max_forwards_without_sync
+        n = config.delayed_scaling_config.history_len
+        f32 = {"dtype": torch.float32, "device": device}
+        for op in self.operands:
+            self.register_buffer(f"fp8_amax_{op.value}", torch.zeros((), **f32))
+            self.register_buffer(f"fp8_amax_history_{op.value}", torch.zeros(n, **f32))
+            self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), **f32))
+            init = torch.zeros((), dtype=torch.bool, device=device)
+            self.register_buffer(f"fp8_initialized_{op.value}", init)
+        self.register_buffer("fp8_forwards", torch.zeros((), **f32), persistent=False)
+        self.weight_ready = False  # host mirror of fp8_initialized_weight (no device read)
+        self.synced_step = -1  # the optimizer step count at the last sync
+        self.syncs = 0  # how many syncs so far
+        self.sync_group = None  # an explicit reduction group, remembered from a sync call
+        self.register_load_state_dict_post_hook(_refresh_host_flags)
+
+    @classmethod
+    def for_config(cls, config: Float8LinearConfig, device=None) -> DelayedScalingState | None:
+        """The state a layer with this config needs; None when no operand is delayed."""
+        state = cls(config, device)
+        return state if state.operands else None
+
+    def view(self, op: Operand) -> DelayedState:
+        return DelayedState(*(getattr(self, f"fp8_{kind}_{op.value}") for kind in _KINDS))
+
+    @property
+    def ready(self) -> bool:
+        """Every delayed operand has a synced scale (reads the device: for tests and logs)."""
+        return all(bool(self.view(op).initialized) for op in self.operands)
+
+    # -- the casts ------------------------------------------------------------------------
+    def views(self, training: bool) -> dict[Operand, DelayedState]:
+        """The per-operand states a forward casts with. Outside training the casts use the
+        delayed scales but record into scratch amaxes, so evaluation never feeds the
+        history. A training forward is counted on the device (no host state to guard on
+        under torch.compile; an activation-checkpoint recompute only re-records the same
+        amaxes, which a max leaves unchanged)."""
+        states = {op: self.view(op) for op in self.operands}
+        if not training:
+            return {op: s._replace(amax=torch.zeros_like(s.amax)) for op, s in states.items()}
+        self.fp8_forwards.add_(1)
+        return states
+
+    def scratch(self, op: Operand) -> DelayedState | None:
+        """A copy of one operand's state (None if it is not delayed): a cast computed with
+        it gives exactly the layer's scale and records into the copy only."""
+        if op not in self.operands:
+            return None
+        return DelayedState(*(t.clone() for t in self.view(op)))
+
+    def weight_scale(self, shard: torch.Tensor, mesh: Group) -> torch.Tensor:
+        """The scale source of a delayed float8-gathered weight: records the local shard's
+        amax, returns the synced weight scale. Not seeded yet (no sync before the first
+        forward): the shard amaxes are all-reduced once so every rank casts alike."""
+        state = self.view(Operand.WEIGHT)
+        amax = tensor_amax(shard)
+        state.record(amax)
+        if self.weight_ready:
+            return state.scale.clone()
+        amax = all_reduce_amax_(amax.reshape(1), mesh)[0]
+        strategy = self.strategies[Operand.WEIGHT]
+        dtype = self.dtypes[Operand.WEIGHT]
+        return amax_to_scale(amax, dtype, power_of_2=strategy.power_of_2)
+
+    # -- the sync ---------------------------------------------------------------------------
+    def due(self, optimizer_steps: int) -> bool:
+        """Host-side: an optimizer stepped since the last sync, or the weight is unseeded."""
+        unseeded = Operand.WEIGHT in self.operands and not self.weight_ready
+        return unseeded or self.synced_step != optimizer_steps
+
+    def slots(self, local_weight: torch.Tensor) -> dict[Operand | str, torch.Tensor]:
+        """This layer's share of the sync vector: each operand's recorded amax and whether
+        it ran (`fp8_forwards > 0`). An unseeded weight's amax is recorded from
+        `local_weight` (the high-precision local shard) first."""
+        if Operand.WEIGHT in self.operands and not self.weight_ready:
+            self.view(Operand.WEIGHT).record(tensor_amax(local_weight))
+        out: dict[Operand | str, torch.Tensor] = {op: self.view(op).amax for op in self.operands}
+        out["ran"] = (self.fp8_forwards > 0).to(torch.float32)
+        return out
+
+    def apply_reduced(
+        self, amaxes: dict[Operand, torch.Tensor], ran_everywhere: torch.Tensor, step: int
+    ) -> None:
+        """Roll each operand's history with its cross-rank reduced amax where the layer ran
+        on every rank (decided on the device: no host sync); an unseeded weight is seeded.
+        "No amax" never becomes a scale."""
+        seed = Operand.WEIGHT in self.operands and not self.weight_ready
+        for op, amax in amaxes.items():
+            apply = ran_everywhere | seed if op is Operand.WEIGHT else ran_everywhere
+            self.view(op).roll(amax, self.strategies[op], self.dtypes[op], where=apply)
+        self.fp8_forwards.zero_()
+        self.weight_ready = Operand.WEIGHT in self.operands
+        self.synced_step = step
+        self.syncs += 1
+
+    def start_counting_steps_at(self, step: int) -> None:
+        """The automatic refresh syncs after the next optimizer step, not before."""
+        self.synced_step = step
+
+    def use_group(self, group) -> None:
+        """Reduce over `group` from now on (instead of the weight's FSDP2 mesh)."""
+        self.sync_group = group
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Back to the initial values: no history, unseeded."""
+        for op in self.operands:
+            state = self.view(op)
+            state.amax.zero_()
+            state.amax_history.zero_()
+            state.scale.fill_(1.0)
+            state.initialized.fill_(False)
+        self.fp8_forwards.zero_()
+        self.weight_ready = False
+        self.synced_step = -1
+
+    def _apply(self, fn, recurse=True):
+        # dtype-stable: take the device move from fn, keep the float32 values (a round trip
+        # through bf16 would round the amaxes and scales)
+        saved = dict(self._buffers)
+        out = super()._apply(fn, recurse)
+        for name, old in saved.items():
+            new = self._buffers[name]
+            if new is not None and old is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        if any(old is not None and old.is_meta for old in saved.values()) and not any(
+            b.is_meta for b in self._buffers.values() if b is not None
+        ):
+            self.reset()  # to_empty() after meta init: fresh, not garbage
+        return out
+
+    def extra_repr(self) -> str:
+        return f"operands={[op.value for op in self.operands]}"
+
+
+def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
+    # one host read at load time, so no forward and no all-gather hook reads a device flag
+    flags = {op: bool(state.view(op).initialized) for op in state.operands}
+    state.weight_ready = flags.get(Operand.WEIGHT, False)
+
+
+_STATE_KEY = re.compile(r"(^|\.)delayed_scaling\.fp8_\w+$")
+
+
+def export_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
+    """The weights of a converted model as the unconverted model holds them: its
+    `state_dict()` (or the given one, e.g. a full state dict from
+    `torch.distributed.checkpoint.state_dict.get_model_state_dict`) without the
+    delayed-scaling buffers (amax histories, scales), so it loads with `strict=True` into the
+    original `nn.Module`. Training checkpoints keep those buffers: resuming needs them."""
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    return {k: v for k, v in state_dict.items() if not _STATE_KEY.search(k)}

@@ -1,0 +1,15 @@
+"""Statically scaled weight: the user-given scale (one cached device tensor), no collective."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.core.scaling import static_scale_tensor
+from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
+
+
+class StaticFloat8Weight(Float8WeightWrapper):
+    def float8_scale(self, mesh) -> torch.Tensor:
+        value = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT).static_scale
+        return static_scale_tensor(value, self._tensor.device)

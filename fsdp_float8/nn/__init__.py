@@ -1,0 +1,1 @@
+"""The float8 modules users hold: `Float8Linear` and the module swap."""

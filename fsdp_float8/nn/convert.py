@@ -1,0 +1,214 @@
+"""Module swap: nn.Linear -> Float8Linear, post-order, parameters shared not copied.
+
+`convert_to_float8_training` first plans: it walks the model children first, asks the
+filter about each nn.Linear once, and records what it will convert and what it skips with
+the reason (`ConversionReport`, kept on the model as `model.float8_conversion_report`).
+Every refusal (a config that casts nothing, a layer already converted with another config,
+a tied weight under float8 all-gather) is raised from the plan, before any module changes.
+Then it swaps. A root nn.Linear is converted too, and the new module is returned.
+Mixture-of-experts modules (3-D expert weights, `fsdp_float8.experts.modules`) are planned
+and reported the same way, as experts converted or skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.experts import modules as expert_modules
+from fsdp_float8.fsdp.step import install_refresh_hook
+from fsdp_float8.nn.linear import Float8Linear
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+@dataclass
+class ConversionReport:
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    experts_converted: list[str] = field(default_factory=list)
+    experts_skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"float8: converted {len(self.converted)} linear layers"]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        if self.experts_converted or self.experts_skipped:
+            lines.append(f"float8: converted {len(self.experts_converted)} expert modules")
+            lines += [f"  skipped experts {n}: {why}" for n, why in self.experts_skipped.items()]
+        return "\n".join(lines)
+
+
+def dims_divisible_by_16(module: nn.Module, fqn: str) -> bool:
+    """Default filter: float8 GEMMs need both linear dims to be multiples of 16."""
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+@dataclass
+class _Swap:
+    parent: nn.Module | None  # None for a root nn.Linear
+    name: str
+    fqn: str
+    linear: nn.Module  # an nn.Linear, or an experts module (expert swaps)
+    config: Float8LinearConfig | None = None  # expert swaps: the experts' config
+
+
+def convert_to_float8_training(
+    model: nn.Module,
+    *,
+    config: Float8LinearConfig | None = None,
+    module_filter_fn: ModuleFilter | None = None,
+    expert_config: Float8LinearConfig | None = None,
+    expert_filter_fn: ModuleFilter | None = None,
+) -> nn.Module:
+    """Swap every nn.Linear that the filter accepts for a Float8Linear, in place, and
+    return the model (for a root nn.Linear: the new Float8Linear).
+
+    The filter gets `(module, fully_qualified_name)` (the root's name is ""). Without one,
+    linears whose dims are not multiples of 16 are skipped (unless `config.pad_inner_dim`).
+    With `config.enable_fsdp_float8_all_gather`, each converted weight is wrapped so that
+    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). Experts modules
+    (torchtitan-style w1/w2/w3 or transformers gate_up_proj/down_proj) are swapped for float8
+    experts with `expert_config` (default: `config`) where `expert_filter_fn` accepts them
+    (default: all), and reported (`report.experts_converted` / `experts_skipped`). A forward pre-hook on
+    the returned model refreshes precomputed weight scales and delayed-scaling state before
+    each forward when an optimizer step made them stale (`fsdp_float8.fsdp.step.refresh`).
+    """
+    config = config or Float8LinearConfig()
+    _refuse_high_precision_config(config)
+    report = ConversionReport()
+    plan: list[_Swap] = []
+    if isinstance(model, nn.Linear):
+        if any(True for _ in model.children()):
+            raise ValueError(
+                f"the root {type(model).__name__} has children {list(dict(model.named_children()))}"
+                "; converting it would drop them. Convert a module that holds it instead"
+            )
+        _plan_linear(_Swap(None, "", "", model), config, module_filter_fn, report, plan)
+    else:
+        _plan_children(model, "", config, module_filter_fn, report, plan)
+    if config.enable_fsdp_float8_all_gather:
+        _refuse_tied_weights(model, plan, module_filter_fn)
+    expert_plan: list[_Swap] = []
+    _plan_experts(model, "", expert_config or config, expert_filter_fn, report, expert_plan)
+    for swap in plan:
+        new = _to_float8(swap.linear, config)
+        if swap.parent is None:
+            model = new
+        else:
+            setattr(swap.parent, swap.name, new)
+        report.converted.append(swap.fqn)
+    for swap in expert_plan:
+        setattr(swap.parent, swap.name, expert_modules.to_float8_experts(swap.linear, swap.config))
+        report.experts_converted.append(swap.fqn)
+    model.float8_conversion_report = report
+    if report.converted:
+        install_refresh_hook(model)  # the float8 step: no float8 call in the training loop
+    return model
+
+
+def _to_float8(linear: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
+    return Float8Linear.from_float(linear, config)  # wraps the weight for float8 all-gather
+
+
+def _plan_children(parent, prefix, config, module_filter_fn, report, plan) -> None:
+    for name, child in list(parent.named_children()):
+        fqn = f"{prefix}.{name}" if prefix else name
+        _plan_children(child, fqn, config, module_filter_fn, report, plan)
+        if isinstance(child, nn.Linear):
+            _plan_linear(_Swap(parent, name, fqn, child), config, module_filter_fn, report, plan)
+
+
+def _plan_experts(parent, prefix, config, filter_fn, report, plan) -> None:
+    """Experts modules (3-D parameters) below `parent`: planned for a swap or skipped."""
+    for name, child in list(parent.named_children()):
+        fqn = f"{prefix}.{name}" if prefix else name
+        if not (expert_modules.expert_layout(child) or expert_modules.has_3d_parameters(child)):
+            _plan_experts(child, fqn, config, filter_fn, report, plan)
+            continue
+        why = expert_modules.skip_reason(child, config)
+        if why is None and filter_fn is not None and not filter_fn(child, fqn):
+            why = "rejected by expert_filter_fn"
+        if why:
+            report.experts_skipped[fqn] = why
+        else:
+            plan.append(_Swap(parent, name, fqn, child, config))
+
+
+def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:
+    child, fqn = swap.linear, swap.fqn
+    if isinstance(child.weight, DTensor) and not isinstance(child, Float8Linear):
+        raise ValueError(
+            f"{fqn or 'the root'}.weight is already a DTensor {child.weight.placements}: "
+            "convert_to_float8_training must run before fully_shard and parallelize_module "
+            "(build the model, convert it, apply the tensor-parallel plan with "
+            "fsdp_float8.tensor_parallel.styles's float8 styles, then fully_shard the blocks and "
+            "the root)"
+        )
+    why = _skip_reason(child, fqn, config, module_filter_fn)
+    if why is None and isinstance(child, Float8Linear):
+        why = _already_converted(child, fqn, config)
+    if why:
+        report.skipped[fqn] = why
+    else:
+        plan.append(swap)
+
+
+def _skip_reason(child, fqn, config, module_filter_fn) -> str | None:
+    if module_filter_fn is not None:
+        return None if module_filter_fn(child, fqn) else "rejected by module_filter_fn"
+    if not config.pad_inner_dim and not dims_divisible_by_16(child, fqn):
+        return (
+            f"dims ({child.in_features}, {child.out_features}) not multiples of 16 "
+            "(set pad_inner_dim=True to pad)"
+        )
+    return None
+
+
+def _already_converted(child: Float8Linear, fqn: str, config: Float8LinearConfig) -> str:
+    if child.config == config:
+        return "already a Float8Linear with this config"
+    raise ValueError(
+        f"{fqn or 'the root'} is already a Float8Linear with another config "
+        f"({child.extra_repr()}; {child.config}); converting again would keep that config. "
+        "Convert the original (unconverted) model, or exclude this layer with module_filter_fn"
+    )
+
+
+def _refuse_high_precision_config(config: Float8LinearConfig) -> None:
+    if not config.any_float8():
+        raise ValueError(
+            "every cast of this Float8LinearConfig is disabled, so no GEMM would run in "
+            "float8 while the layers would be reported as converted; enable at least one "
+            "cast (e.g. Float8LinearConfig.from_recipe_name('tensorwise')) or do not convert"
+        )
+
+
+def _refuse_tied_weights(model: nn.Module, plan: list[_Swap], module_filter_fn) -> None:
+    """A float8 all-gathered weight cannot serve another module in high precision."""
+    owners: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(fqn)
+    for swap in plan:
+        names = owners.get(id(swap.linear.weight), [])
+        if len(names) <= 1:
+            continue
+        tied = tuple(s.fqn for s in plan if s.linear.weight is swap.linear.weight)
+        keep_out = f"fqn != {tied[0]!r}" if len(tied) == 1 else f"fqn not in {tied!r}"
+        if module_filter_fn is None:
+            remedy = (
+                f"`module_filter_fn=lambda m, fqn: {keep_out} and "
+                "fsdp_float8.dims_divisible_by_16(m, fqn)` (the default filter, less this layer)"
+            )
+        else:
+            names_out = " and ".join(repr(t) for t in tied)
+            remedy = f"your module_filter_fn also returning False for {names_out}"
+        raise ValueError(
+            f"{swap.fqn or 'the root'}.weight is tied to {names}; a float8 all-gathered "
+            "weight cannot also serve another module in high precision. Untie the weights, "
+            f"or keep this layer out of float8 with {remedy}, or set "
+            "enable_fsdp_float8_all_gather=False"
+        )

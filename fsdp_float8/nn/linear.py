@@ -1,0 +1,377 @@
+"""Float8Linear: a drop-in nn.Linear whose three GEMMs run in float8.
+
+One autograd function runs them all. Each operand is cast once per GEMM it enters, as
+`Float8LinearConfig` says (a cast shared by two GEMMs is done once and transposed); a
+disabled cast leaves that GEMM in high precision. A weight that arrives already as a
+`Float8Tensor` (the FSDP2 float8 all-gather) is used as it is, in forward and backward;
+so is an input (tensor parallel's float8 all-gather of a sequence-parallel activation).
+Under tensor parallelism the weight is a DTensor and the layer runs on local tensors
+(`fsdp_float8.tensor_parallel.styles`).
+
+Memory: backward keeps the weight parameter itself (FSDP2 frees and re-gathers it around
+backward as it does for bf16) and the high-precision input, or the float8 input with
+`save_input_in_float8=True`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8.core.config import (
+    CONTRACTION_DIM,
+    GEMM_OPERANDS,
+    GEMMS,
+    OPERANDS,
+    PRIMARY_GEMM,
+    SECOND_GEMM,
+    Float8LinearConfig,
+    Gemm,
+    Operand,
+    ScalingGranularity,
+    ScalingType,
+)
+from fsdp_float8.core.float8_ops import check_float8_gemm_device, scaled_mm_data
+from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.scaling import ScalingStrategy
+from fsdp_float8.fsdp.delayed_state import DelayedScalingState
+from fsdp_float8.fsdp.weight_wrappers import wrap_weight
+from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
+
+_CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
+
+
+@dataclass(frozen=True)
+class CastPlan:
+    """The resolved casts of one layer, computed once from its config."""
+
+    strategies: dict[tuple[Operand, Gemm], ScalingStrategy | None]
+    dtypes: dict[tuple[Operand, Gemm], torch.dtype]
+    fast_accum: dict[Gemm, bool]
+    emulate: bool
+    pad_inner_dim: bool
+    # rowwise float8 all-gather: the grad_input weight is re-cast from the row-cast weight,
+    # sharded or not, so a model's numerics do not depend on how it is sharded
+    weight_from_rows: bool
+    # per GEMM: (left, right) operand blocks in the GEMM's frame (None: the scale
+    # broadcasts) and the scale dtype the block GEMM gets (e8m0 for MX)
+    blocks: dict[Gemm, tuple]
+    scale_dtypes: dict[Gemm, torch.dtype]
+
+    @classmethod
+    def from_config(cls, config: Float8LinearConfig) -> CastPlan:
+        return cls(
+            strategies={k: config.strategy(*k) for k in _CASTS},
+            dtypes={k: config.float8_dtype(*k) for k in _CASTS},
+            fast_accum={g: config.gemm_config(g).use_fast_accum for g in GEMMS},
+            emulate=config.emulate,
+            pad_inner_dim=config.pad_inner_dim,
+            weight_from_rows=config.enable_fsdp_float8_all_gather
+            and config.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_granularity
+            is ScalingGranularity.AXISWISE,
+            blocks={g: _gemm_blocks(config, g) for g in GEMMS},
+            scale_dtypes={
+                g: config.cast(GEMM_OPERANDS[g][0], g).granularity().scale_dtype for g in GEMMS
+            },
+        )
+
+    def high_precision(self, gemm: Gemm) -> bool:
+        return self.strategies[(GEMM_OPERANDS[gemm][0], gemm)] is None
+
+    def shares_cast(self, operand: Operand, first: Gemm, second: Gemm) -> bool:
+        """True when the second use can reuse the first cast (same tensorwise scale, dtype)."""
+        s1, s2 = self.strategies[(operand, first)], self.strategies[(operand, second)]
+        # tensorwise or square blocks: the same cast whichever dim is contracted
+        invariant = s1 is not None and s1.granularity.transpose_invariant
+        same_dtype = self.dtypes[(operand, first)] == self.dtypes[(operand, second)]
+        return invariant and s1 == s2 and same_dtype
+
+
+def _gemm_blocks(config: Float8LinearConfig, gemm: Gemm) -> tuple:
+    """Blocks of the GEMM's operands in its frame: left (M, K) contracts dim 1, right (K, N)
+    dim 0 (`Granularity.block`)."""
+    left, right = GEMM_OPERANDS[gemm]
+    return (
+        config.cast(left, gemm).granularity().block(1),
+        config.cast(right, gemm).granularity().block(0),
+    )
+
+
+# Inside the autograd function an operand is a pair (data, scale): float8 data with its
+# scale, or (hp, None) for a high-precision GEMM. Plain tensors trace under torch.compile;
+# a Float8Tensor weight from the all-gather is unpacked at the boundary.
+Pair = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
+    """Cast a 2-D operand for one GEMM; (hp, None) when that GEMM is high precision."""
+    strategy = plan.strategies[(operand, gemm)]
+    if strategy is None:
+        return hp, None
+    dtype, dim = plan.dtypes[(operand, gemm)], CONTRACTION_DIM[(gemm, operand)]
+    scale = strategy.scale(hp, dim, dtype, states.get(operand))
+    return strategy.granularity.cast(hp, scale, dim, dtype), scale
+
+
+def _t(pair: Pair) -> Pair:
+    data, scale = pair
+    return data.t(), (scale.t() if scale is not None and scale.dim() == 2 else scale)
+
+
+def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> torch.Tensor:
+    (a, a_scale), (b, b_scale) = left, right
+    if a_scale is None:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+    return scaled_mm_data(
+        a,
+        a_scale,
+        b,
+        b_scale,
+        out_dtype=out_dtype,
+        emulate=plan.emulate,
+        use_fast_accum=plan.fast_accum[gemm],
+        # the token dim (contraction of grad_weight) is not the user's to choose: always pad
+        pad_inner_dim=plan.pad_inner_dim or gemm is Gemm.GRAD_WEIGHT,
+        blocks=plan.blocks[gemm],
+        scale_dtype=plan.scale_dtypes[gemm],
+    )
+
+
+def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
+    if isinstance(weight, Float8Tensor):  # pre-cast by the FSDP2 float8 all-gather
+        rows: Pair = (weight._data, weight._scale)
+    elif gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
+        rows = cast_operand(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, states)
+    else:
+        return cast_operand(weight, Operand.WEIGHT, gemm, plan, states)
+    if gemm is Gemm.OUTPUT or rows[1].dim() == 0 or _shared(plan, Operand.WEIGHT):
+        return rows  # tensorwise or square blocks: the gathered cast serves both GEMMs
+    # per-row scales suit the output GEMM only; grad_input contracts over the rows, so
+    # re-cast from the row-cast weight: no extra bytes gathered, grad_input SQNR within
+    # ~0.1 dB (rowwise) / ~2.5 dB (tensorwise, rowwise_with_gw_hp) of a cast from hp
+    hp = rows[0].to(torch.float32) * rows[1].reciprocal()
+    return cast_operand(hp, Operand.WEIGHT, gemm, plan, states)
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
+        if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
+            x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
+        else:
+            x2 = x.reshape(-1, x.shape[-1])
+            x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
+            saved_x = (x2, None)
+            if save_input_in_float8:  # blocks: tiles along the token dim, cast here from hp
+                shared = _shared(plan, Operand.INPUT)
+                saved_x = (
+                    x_fp8
+                    if shared
+                    else cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+                )
+        w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
+        out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype)
+        # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
+        # without another amax pass, and without recording delayed amaxes twice
+        # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
+        w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
+        ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale)
+        ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
+        # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_data, x_saved_scale, weight, x_scale, w_scale = ctx.saved_tensors
+        plan, states = ctx.plan, ctx.states
+        go2 = grad_out.reshape(-1, grad_out.shape[-1])
+        go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
+        if isinstance(weight, Float8Tensor) or not _shared(plan, Operand.WEIGHT):
+            w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
+        else:
+            w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
+        grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype)
+        if _shared(plan, Operand.GRAD_OUTPUT):
+            go_gw = go_fp8
+        else:
+            go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
+        if x_saved_scale is not None:
+            x_gw = (x_data, x_saved_scale)  # saved in float8 (save_input_in_float8)
+        elif _shared(plan, Operand.INPUT):
+            x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
+        else:
+            x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
+        return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
+
+
+def _shared(plan: CastPlan, operand: Operand) -> bool:
+    first = PRIMARY_GEMM[operand]
+    return plan.shares_cast(operand, first, SECOND_GEMM[operand])
+
+
+def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:
+    """The same cast as in forward (same tensorwise scale and dtype), without a new amax."""
+    gemm = PRIMARY_GEMM[operand]
+    granularity = plan.strategies[(operand, gemm)].granularity
+    cast = granularity.cast(
+        hp, scale, CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
+    )
+    return cast, scale
+
+
+def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
+    if config.pad_inner_dim or (in_features % 16 == 0 and out_features % 16 == 0):
+        return
+    raise ValueError(
+        f"Float8Linear({in_features}, {out_features}): float8 GEMMs contract over both dims, "
+        "which must be multiples of 16; set Float8LinearConfig(pad_inner_dim=True) or keep "
+        "this layer in high precision (the default module filter skips it)"
+    )
+
+
+def _short(cfg) -> str:
+    if not cfg.enabled:
+        return "hp"
+    gran = cfg.scaling_granularity.value[0] + "w"  # tw, aw, bw
+    if cfg.block_shape is not None:
+        gran += f"{cfg.block_shape[0]}x{cfg.block_shape[1]}"
+    return f"{cfg.scaling_type.value[:3]}_{gran}"
+
+
+class Float8Linear(nn.Linear):
+    """nn.Linear with float8 GEMMs. Build it with `from_float` (shares the parameters) or
+    `convert_to_float8_training`."""
+
+    def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.config = config or Float8LinearConfig()
+        _check_dims(self.in_features, self.out_features, self.config)
+        if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
+            check_float8_gemm_device(self.weight.device, emulate=self.config.emulate)
+        self.plan = CastPlan.from_config(self.config)
+        # before the weight is wrapped: a delayed float8-gathered weight's scale source
+        self.delayed_scaling = DelayedScalingState.for_config(self.config, self.weight.device)
+        self.register_load_state_dict_post_hook(_keep_weight_wrapped)
+        self._register_state_dict_hook(_plain_weight_in_state_dict)
+        self.wrap_weight_for_fsdp()
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
+        emulate = (config or Float8LinearConfig()).emulate
+        check_float8_gemm_device(mod.weight.device, emulate=emulate)
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False, config=config)
+        new.weight = mod.weight  # shared, not copied
+        new.bias = mod.bias
+        new.delayed_scaling = DelayedScalingState.for_config(new.config, mod.weight.device)
+        new.wrap_weight_for_fsdp()
+        return new
+
+    def wrap_weight_for_fsdp(self) -> None:
+        """With `enable_fsdp_float8_all_gather`, make the weight (or a DTensor weight's local
+        tensor) a float8 weight wrapper, so FSDP2 gathers it in float8: every path that
+        builds or reloads the layer ends here (idempotent; the storage is shared)."""
+        if not self.config.enable_fsdp_float8_all_gather:
+            return
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            if not isinstance(weight._local_tensor, Float8WeightWrapper):
+                weight._local_tensor = wrap_weight(weight._local_tensor, self).data
+        elif not isinstance(weight, Float8WeightWrapper):
+            self.weight = wrap_weight(weight, self)
+
+    # torchao's Float8Linear attributes, read by code written for it (its tensor-parallel
+    # styles check that input and grad_output are dynamically scaled)
+    @property
+    def scaling_type_input(self) -> ScalingType:
+        return self.config.cast_config_input.scaling_type
+
+    @property
+    def scaling_type_weight(self) -> ScalingType:
+        return self.config.cast_config_weight.scaling_type
+
+    @property
+    def scaling_type_grad_output(self) -> ScalingType:
+        return self.config.cast_config_grad_output.scaling_type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel.py)
+            from fsdp_float8.tensor_parallel.styles import local_parameters
+
+            weight, bias = local_parameters(self, x)
+        if self.config.enable_fsdp_float8_all_gather:
+            _require_float8_weight(weight)
+        _check_input_dtype(x)
+        if torch.is_autocast_enabled(x.device.type) and not isinstance(x, Float8Tensor):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        with torch.autocast(x.device.type, enabled=False):
+            delayed = self.delayed_scaling
+            training = self.training and torch.is_grad_enabled()
+            states = delayed.views(training) if delayed is not None else {}
+            out = _Float8LinearFn.apply(
+                x, weight, self.plan, states, self.config.save_input_in_float8
+            )
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        parts = []
+        for op in OPERANDS:
+            first = c.cast(op, PRIMARY_GEMM[op])
+            second = c.cast(op, SECOND_GEMM[op])
+            text = f"{_short(first)}:{_dtype_name(c.float8_dtype(op, PRIMARY_GEMM[op]))}"
+            if second != first:
+                text += f"/{_short(second)}"
+            parts.append(f"{op.value}={text}")
+        fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
+        return f"{super().extra_repr()}, {', '.join(parts)}{fsdp}"
+
+
+def _check_input_dtype(x: torch.Tensor) -> None:
+    # nn.Linear raises on these; the float8 cast would otherwise truncate (int) or fail late
+    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise TypeError(
+            f"Float8Linear input has dtype {x.dtype}; expected a floating-point tensor "
+            "(float32, bfloat16, float16 or float64), as nn.Linear needs. Cast it with "
+            "x.float() (token ids go through an nn.Embedding first)"
+        )
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        # the parameter's own inner tensor (detached by autograd, so it shares the version
+        # counter): a loader writing into it in place is seen by the wrapper's WeightState
+        value = state_dict[key]
+        weight = module.weight
+        own = plain_weight(weight)
+        state_dict[key] = own if value is weight else own.detach()
+
+
+def _keep_weight_wrapped(module: Float8Linear, incompatible_keys) -> None:
+    # load_state_dict(assign=True) swaps in the checkpoint's plain tensor
+    module.wrap_weight_for_fsdp()
+
+
+def _require_float8_weight(weight) -> None:
+    # under FSDP2 the weight is the gathered Float8Tensor; unsharded, the wrapper itself
+    if not isinstance(weight, (Float8Tensor, Float8WeightWrapper)):
+        raise TypeError(
+            f"this Float8Linear has enable_fsdp_float8_all_gather=True but its weight is a "
+            f"plain {type(weight).__name__}, which FSDP2 would gather in high precision; "
+            "assign weights with load_state_dict (the wrapper is kept) or call "
+            "layer.wrap_weight_for_fsdp() after replacing the weight, before fully_shard"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.float8_", "")

@@ -1,0 +1,1 @@
+"""Float8 tensor parallelism: thin subclasses of torch's TP styles."""

@@ -1,0 +1,1 @@
+"""Observation tools: float8 telemetry and the collective counter."""
