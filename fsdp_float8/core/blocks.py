@@ -9,7 +9,8 @@ and the padding is cut off again, so any shape works.
 
 Scale formats. float32 (DeepSeek-style 1x128 / 128x128, optionally a power of two), or
 e8m0 (MX, `torch.float8_e8m0fnu`): an 8-bit biased exponent, the float32 exponent bits of
-the dequantization factor `1 / scale` (bias 127, as float32's). Rounding of the shared
+the dequantization factor `1 / scale` (bias 127, as float32's; the one convention,
+`fsdp_float8.core.payload`). Rounding of the shared
 exponent: RCEIL, i.e. the smallest power of two `2^e >= amax / fp8_max`, so the block's
 largest element never saturates. It is exactly `round_down_to_power_of_2(fp8_max / amax)`
 of `fsdp_float8.core.scaling` (DynamicScaling with power_of_2=True); the OCP MX v1.0 spec's
@@ -32,7 +33,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-E8M0 = torch.float8_e8m0fnu
 Block = tuple[int, int]
 
 
@@ -104,19 +104,6 @@ def expand_block_scale(scale: torch.Tensor, block: Block, shape) -> torch.Tensor
     _check_scale(scale, shape, block)
     full = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return full[..., : shape[-2], : shape[-1]]
-
-
-def e8m0_from_scale(scale: torch.Tensor) -> torch.Tensor:
-    """A power-of-two float32 scale as e8m0 (MX): the biased exponent of 1 / scale, exact
-    for the scales of float8 casts (1 / scale within 2^-126 .. 2^127)."""
-    bits = scale.reciprocal().contiguous().view(torch.int32) >> 23
-    return (bits & 0xFF).to(torch.uint8).view(E8M0)
-
-
-def scale_from_e8m0(e8m0: torch.Tensor) -> torch.Tensor:
-    """The float32 scale (multiplies hp into float8 range) of e8m0 dequantization factors."""
-    bits = e8m0.contiguous().view(torch.uint8).to(torch.int32) << 23
-    return bits.view(torch.float32).reciprocal()
 
 
 def _dequantize(data, scale, block: Block | None) -> torch.Tensor:

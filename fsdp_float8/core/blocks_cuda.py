@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fsdp_float8.core.blocks import e8m0_from_scale
+from fsdp_float8.core.payload import E8M0, e8m0_from_scale
 
-E8M0 = torch.float8_e8m0fnu
 _FP32_PAIRS = {((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))}
 
 

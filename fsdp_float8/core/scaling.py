@@ -177,7 +177,7 @@ class Blockwise:
     whichever dim is contracted, so one cast serves both of a weight's GEMMs.
     `scale_dtype` is how the scale is stored and sent: float32, or `torch.float8_e8m0fnu`
     (MX: the scale must be a power of two, which `DynamicScaling(power_of_2=True)` gives by
-    RCEIL, see `fsdp_float8.core.blocks.e8m0_from_scale`). In memory the scale is float32 either
+    RCEIL, see `fsdp_float8.core.payload.e8m0_from_scale`). In memory the scale is float32 either
     way, in this package's convention (multiplies hp into float8 range)."""
 
     shape: tuple[int, int] = (1, 128)

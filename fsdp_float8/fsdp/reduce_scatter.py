@@ -7,10 +7,11 @@ reduce-scatter with:
 
 1. quantize: each chunk destined for another rank is cut into blocks of ``block_size``
    elements (the last block zero-padded), and each block gets one scale from its own amax
-   (``scaling.amax_to_scale``: amax in float32, EPS floor, division in float64) and a
+   (``scaling.DynamicScaling``: amax in float32, EPS floor, division in float64) and a
    saturating cast to float8;
 2. exchange: the float8 bytes and the scale bytes of each chunk are packed side by side in
-   one ``uint8`` row, and ONE ``dist.all_to_all_single`` swaps the rows (``uint8`` because
+   one ``uint8`` row (the payload format of ``fsdp_float8.core.payload``, its one e8m0
+   convention), and ONE ``dist.all_to_all_single`` swaps the rows (``uint8`` because
    gloo rejects float8 dtypes). A rank's own chunk does not travel: it is never quantized
    and enters the sum in high precision;
 3. reduce: every received row is dequantized (``fp8 / scale``) and the contributions are
@@ -24,8 +25,7 @@ parameter's gradient and the start of the next (FSDP2 packs them back to back). 
 element on the wire: 1 (float8) + scale_bytes / block_size, plus the padding of each chunk's
 last block: 1.031 at block_size 128 with float32 scales (0.516x of bf16) or 1.008 with
 power-of-two scales sent as one ``float8_e8m0fnu`` byte (0.504x of bf16). A non-finite
-gradient value comes out NaN (with float32 scales, its whole block), so grad-norm checks
-still see it.
+gradient value comes out NaN (its whole block), so grad-norm checks still see it.
 Temporary memory per call: the packed send and receive buffers, ~(n-1)/n x input numel x
 1.03 bytes each, plus one float32 output chunk.
 
@@ -54,7 +54,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from fsdp_float8.core._compat import premul_sum_factor
-from fsdp_float8.core.scaling import amax_to_scale, axis_amax, cast_to_float8_data
+from fsdp_float8.core.payload import E8M0, SCALE_DTYPES, PayloadLayout
+from fsdp_float8.core.scaling import Axiswise, DynamicScaling
 
 __all__ = [
     "Float8ReduceScatter",
@@ -65,8 +66,20 @@ __all__ = [
 ]
 
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 _RedOp = dist.ReduceOp.RedOpType
+
+
+def _layout(n: int, block_size: int, float8_dtype: torch.dtype, scale_dtype) -> PayloadLayout:
+    """A chunk of `n` elements on the wire: whole blocks of float8 bytes, then their scales."""
+    n_blocks = math.ceil(n / block_size)
+    scale_cols = n_blocks * scale_dtype.itemsize
+    return PayloadLayout(float8_dtype, scale_dtype, n_blocks * block_size, scale_cols)
+
+
+def _block_scaling(scale_dtype: torch.dtype) -> DynamicScaling:
+    """One scale per block (the last dim of a (rows, blocks, block_size) view), rounded down
+    to a power of two when the scales travel as e8m0."""
+    return DynamicScaling(granularity=Axiswise(), power_of_2=scale_dtype == E8M0)
 
 
 def quantize_blocks(
@@ -78,19 +91,17 @@ def quantize_blocks(
 ) -> torch.Tensor:
     """(rows, n) high precision -> (rows, packed_row_bytes(n)) uint8: float8 data, then scales.
 
-    Each row is zero-padded to whole blocks; each block gets ``amax_to_scale(amax)``
+    Each row is zero-padded to whole blocks; each block gets the scale of its own amax
     (rounded down to a power of two when the scales travel as ``float8_e8m0fnu``).
     """
     rows, n = hp_rows.shape
-    n_blocks = math.ceil(n / block_size)
-    padded = nn.functional.pad(hp_rows.to(torch.float32), (0, n_blocks * block_size - n))
-    blocks = padded.view(rows, n_blocks, block_size)
-    amax = axis_amax(blocks, -1)
-    power_of_2 = scale_dtype == torch.float8_e8m0fnu
-    scale = amax_to_scale(amax, float8_dtype, power_of_2=power_of_2)
-    data = cast_to_float8_data(blocks, scale, float8_dtype).view(torch.uint8)
-    scale_bytes = scale.view(rows, n_blocks).to(scale_dtype).view(torch.uint8)
-    return torch.cat([data.view(rows, n_blocks * block_size), scale_bytes], dim=1)
+    layout = _layout(n, block_size, float8_dtype, scale_dtype)
+    padded = nn.functional.pad(hp_rows.to(torch.float32), (0, layout.data_cols - n))
+    blocks = padded.view(rows, -1, block_size)
+    scaling = _block_scaling(scale_dtype)
+    scale = scaling.scale(blocks, -1, float8_dtype)
+    data = scaling.granularity.cast(blocks, scale, -1, float8_dtype)
+    return layout.encode(data.view(rows, layout.data_cols), scale)
 
 
 def dequantize_blocks(
@@ -102,20 +113,17 @@ def dequantize_blocks(
     scale_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of ``quantize_blocks``: (rows, packed_row_bytes(n)) uint8 -> (rows, n) float32."""
-    rows = packed.shape[0]
-    n_blocks = math.ceil(n / block_size)
-    data_bytes = n_blocks * block_size
-    data = packed[:, :data_bytes].view(float8_dtype).view(rows, n_blocks, block_size)
-    # .contiguous(): a fresh buffer, so the scale bytes are aligned for a float32 view
-    scale = packed[:, data_bytes:].contiguous().view(scale_dtype).to(torch.float32)
+    layout = _layout(n, block_size, float8_dtype, scale_dtype)
+    rows, n_blocks = packed.shape[0], layout.data_cols // block_size
+    data = layout.data(packed).view(rows, n_blocks, block_size)
+    scale = layout.scales(packed, rows, n_blocks)
     hp = data.to(torch.float32) / scale.view(rows, n_blocks, 1)
-    return hp.view(rows, data_bytes)[:, :n]
+    return hp.view(rows, layout.data_cols)[:, :n]
 
 
 def packed_row_bytes(n: int, block_size: int, scale_dtype: torch.dtype) -> int:
     """Bytes one chunk of ``n`` elements takes on the wire (float8 data + scales)."""
-    n_blocks = math.ceil(n / block_size)
-    return n_blocks * block_size + n_blocks * scale_dtype.itemsize
+    return _layout(n, block_size, torch.float8_e4m3fn, scale_dtype).row_bytes
 
 
 class Float8ReduceScatter(ReduceScatter):
@@ -140,9 +148,9 @@ class Float8ReduceScatter(ReduceScatter):
                 f"float8_dtype must be one of {_FLOAT8_DTYPES}, got {float8_dtype}; "
                 "use torch.float8_e4m3fn (the default, more precise for gradients)"
             )
-        if scale_dtype not in _SCALE_DTYPES:
+        if scale_dtype not in SCALE_DTYPES:
             raise ValueError(
-                f"scale_dtype must be one of {_SCALE_DTYPES}, got {scale_dtype}; use "
+                f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype}; use "
                 "torch.float32, or torch.float8_e8m0fnu for 1-byte power-of-two scales"
             )
         self.block_size = block_size

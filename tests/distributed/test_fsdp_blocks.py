@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp_float8 import Float8Linear
-from fsdp_float8.fsdp.weight_wrappers.block import scale_columns
+from fsdp_float8.core.payload import PayloadLayout
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
     Case,
@@ -56,7 +56,7 @@ SCALE_BYTES = {"blockwise": 4, "mxfp8": 1}
 
 def _expected_bytes(model, world_size: int, recipe: str) -> int:
     """Bytes one rank sends per all-gather pass: float8 weights 1 byte/element plus their
-    block scales spread over the shard rows (`scale_columns`), others 4 (fp32)."""
+    block scales spread over the shard rows (`PayloadLayout.fitting`), others 4 (fp32)."""
     fp8_ids = {id(m.weight) for m in model.modules() if isinstance(m, Float8Linear)}
     block = BLOCK_ROWS[recipe]
     total = 0
@@ -67,7 +67,9 @@ def _expected_bytes(model, world_size: int, recipe: str) -> int:
             continue
         n_scales = math.ceil(rows / block) * math.ceil(k / block)
         dtype = torch.float32 if SCALE_BYTES[recipe] == 4 else torch.float8_e8m0fnu
-        total += rows * (k + scale_columns(n_scales, rows, dtype))
+        total += (
+            rows * PayloadLayout.fitting(torch.float8_e4m3fn, dtype, k, rows, n_scales).row_bytes
+        )
     return total
 
 

@@ -16,9 +16,10 @@ from fsdp_float8 import (
     _auto_filter_for_recipe,
     sqnr_db,
 )
-from fsdp_float8.core.blocks import E8M0, block_amax, cast_to_float8_blocks, dequantize_blocks
+from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, dequantize_blocks
 from fsdp_float8.core.config import OPERAND_GEMMS
 from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.payload import E8M0
 from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale
 from fsdp_float8.nn.linear import CastPlan
 from tests.unit.float8_helpers import make_batch, make_linear, reference, run_linear

@@ -12,17 +12,15 @@ import torch
 
 from fsdp_float8 import Float8Tensor, sqnr_db
 from fsdp_float8.core.blocks import (
-    E8M0,
     block_amax,
     block_scaled_mm,
     cast_to_float8_blocks,
     dequantize_blocks,
-    e8m0_from_scale,
     expand_block_scale,
-    scale_from_e8m0,
 )
 from fsdp_float8.core.blocks_cuda import cuda_block_gemm_problem, swizzle_32_4_4
 from fsdp_float8.core.numerics import SQNR_DB
+from fsdp_float8.core.payload import E8M0, e8m0_from_scale, scale_from_e8m0
 from fsdp_float8.core.scaling import (
     Axiswise,
     Blockwise,
@@ -258,26 +256,20 @@ def test_swizzle_places_each_scale_where_the_blocked_layout_says() -> None:
 def test_block_payload_round_trips_the_scales_of_every_shard(scale_dtype) -> None:
     """Two shards packed as the all-gather pre-hook packs them, concatenated as the
     all-gather does: the post-hook's unpack gives the whole weight's data and scales."""
-    from fsdp_float8.fsdp.weight_wrappers.block import (
-        pack_block_payload,
-        scale_columns,
-        unpack_block_scales,
-    )
+    from fsdp_float8.fsdp.weight_wrappers.gather import BlockGather
 
     weight = torch.randn(128, 96, generator=torch.Generator().manual_seed(6))
     block, shards = (32, 32), weight.chunk(2)
     pow2 = scale_dtype == E8M0
     scales = [amax_to_scale(block_amax(s, block), E4M3, power_of_2=pow2) for s in shards]
-    datas = [
-        cast_to_float8_blocks(s, sc, block, E4M3).view(torch.uint8) for s, sc in zip(shards, scales)
-    ]
-    payloads = [pack_block_payload(d, sc, scale_dtype) for d, sc in zip(datas, scales)]
-    c = scale_columns(scales[0].numel(), 64, scale_dtype)  # 2 x 3 scales over 64 rows
-    assert payloads[0].shape == (64, 96 + c) and c == 1  # 24 or 6 bytes: 1 column
-    gathered = torch.cat(payloads)
-    got = unpack_block_scales(gathered, 96, 64, tuple(scales[0].shape), scale_dtype)
+    datas = [cast_to_float8_blocks(s, sc, block, E4M3) for s, sc in zip(shards, scales)]
+    packed = [BlockGather.pack(d, sc, scale_dtype, False, block) for d, sc in zip(datas, scales)]
+    payloads, meta = [p for p, _ in packed], packed[0][1]
+    assert meta.layout.scale_cols == 1  # 2 x 3 scales (24 or 6 bytes) over 64 rows: 1 column
+    assert payloads[0].shape == (64, 96 + 1) and meta.shard_scale_shape == (2, 3)
+    data, got = meta.unpack(torch.cat(payloads))
     assert torch.equal(got, torch.cat(scales))
-    assert torch.equal(gathered[:, :96], torch.cat(datas))
+    assert torch.equal(data.view(torch.uint8), torch.cat(datas).view(torch.uint8))
 
 
 def test_block_shards_must_be_whole_blocks() -> None:

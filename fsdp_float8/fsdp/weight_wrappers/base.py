@@ -9,7 +9,7 @@ FSDP2 hooks (torch 2.13 signatures):
 - `fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`: cast the local
   shard to float8 with `float8_scale(...)` (the only thing subclasses decide), pad it to the
   padded shard size (uneven sharding), return it as a `uint8` view (gloo rejects float8; one
-  code path for NCCL too) and `(scale, float8_dtype, emulate)` as metadata.
+  code path for NCCL too) with a typed metadata record (`gather`: tensorwise, rowwise).
 - `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: view the gathered
   bytes as float8 and return a `Float8Tensor`; later calls refill `out` in place (its data
   already aliases the all-gather output) and only refresh its scale.
@@ -39,6 +39,7 @@ from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand, ScalingGr
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.scaling import cast_to_float8_data
 from fsdp_float8.fsdp.amax_sync import shard_group
+from fsdp_float8.fsdp.weight_wrappers.gather import RowwiseGather, TensorwiseGather
 
 aten = torch.ops.aten
 # ops whose output aliases the input's storage: the output shares the wrapper's state
@@ -256,11 +257,8 @@ class Float8WeightWrapper(torch.Tensor):
             scale = self.float8_scale(shard_group(sharded, (1,), None))
         else:
             scale = self.float8_scale(shard_group(sharded, None, mesh))
-        data = cast_to_float8_data(self._tensor, scale, self.float8_dtype).view(torch.uint8)
-        padded_rows = math.ceil(outer_size[0] / mesh.size())
-        # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
-        mid = tuple(outer_size[1:-1])
-        meta = (self.float8_dtype, self._config.emulate, mid)
+        data = cast_to_float8_data(self._tensor, scale, self.float8_dtype)
+        emulate = self._config.emulate
         if self.rowwise:
             if outer_size[0] % mesh.size() != 0:  # every rank sees this: no rank hangs
                 raise ValueError(
@@ -269,52 +267,42 @@ class Float8WeightWrapper(torch.Tensor):
                     "shard size, which the row scales cannot have; use rows divisible by the "
                     "shard count, the 'tensorwise' recipe, or enable_fsdp_float8_all_gather=False"
                 )
-            # Each row's float32 scale rides as 4 more uint8 columns of that row: ONE
-            # all-gather input, because at shard size 1 (one rank, HSDP (N, 1)) FSDP2 skips
-            # the collective and hands the post-hook only the first input; and the scales
-            # then live in FSDP2's all-gather output, so on CUDA no tensor made on the
-            # copy-in stream outlives it.
-            rows = data.reshape(-1, data.shape[-1])
-            scale_bytes = scale.reshape(-1, 1).view(torch.uint8)
-            return (torch.cat([rows, scale_bytes], dim=1),), (None, *meta)
+            # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
+            payload, meta = RowwiseGather.pack(data, scale, emulate, tuple(outer_size[1:-1]))
+            return (payload,), meta
+        data = data.view(torch.uint8)
+        padded_rows = math.ceil(outer_size[0] / mesh.size())
         if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
             padding = [0, 0] * (data.dim() - 1) + [0, padded_rows - data.shape[0]]
             data = F.pad(data, padding)
-        # The tensorwise scale (the same on every rank) stays metadata: under uneven
-        # sharding FSDP2 demands every input at exactly the padded shard size, so the data
-        # leaves no room for it. See fsdp_post_all_gather for its CUDA lifetime.
-        return (data,), (scale, *meta)
+        return (data,), TensorwiseGather(scale, self.float8_dtype, emulate)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        gathered_scale, float8_dtype, emulate, mid = metadata
         if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
             out = out._local_tensor
-        if self.rowwise:
-            gathered = all_gather_outputs[0]
-            data, scale = _split_row_scales(gathered, float8_dtype)
-            if mid:  # 3-D expert weight: (E * out, in) rows back to (E, out, in)
-                data, scale = data.view(-1, *mid, data.shape[-1]), scale.view(-1, *mid, 1)
+        gathered = all_gather_outputs[0]
+        data, scale = metadata.unpack(gathered)
+        if isinstance(metadata, RowwiseGather):
             if out is None:
                 # FSDP2 frees and re-allocates the storage of these around each use, sized
                 # by their numel: the whole gathered buffer, not the strided views of it
                 # (plus the scales when they had to be copied out)
                 inner = (gathered,) if _same_storage(scale, gathered) else (gathered, scale)
-                return Float8Tensor(data, scale, param_dtype, emulate), inner
+                return Float8Tensor(data, scale, param_dtype, metadata.emulate), inner
             if not _same_storage(out._scale, gathered):  # a copy (K % 4 != 0 bytes a row)
                 out._scale.copy_(scale)
             return  # otherwise data and scales alias the all-gather output FSDP2 refilled
-        data = all_gather_outputs[0].view(float8_dtype)
-        if gathered_scale.is_cuda:
+        if scale.is_cuda:
             # made on FSDP2's all-gather copy-in stream, read here on the current stream:
             # without this the caching allocator may hand its memory to the next block's
             # prefetch (on the copy-in stream) before the read below has run
-            gathered_scale.record_stream(torch.cuda.current_stream(gathered_scale.device))
+            scale.record_stream(torch.cuda.current_stream(scale.device))
         if out is not None:
             if not isinstance(out, Float8Tensor):
                 raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-            out._scale.copy_(gathered_scale)
+            out._scale.copy_(scale)
             return
-        return Float8Tensor(data, gathered_scale.clone(), param_dtype, emulate), (data,)
+        return Float8Tensor(data, scale.clone(), param_dtype, metadata.emulate), (data,)
 
 
 def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
@@ -332,17 +320,6 @@ def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _split_row_scales(gathered: torch.Tensor, float8_dtype: torch.dtype):
-    """(rows, K + 4) uint8 -> float8 data (rows, K) and float32 scales (rows, 1), as views
-    of the gathered bytes (a copy of the scales when K % 4 leaves them unaligned)."""
-    k = gathered.shape[1] - 4
-    data = gathered[:, :k].view(float8_dtype)
-    scale_bytes = gathered[:, k:]
-    if k % 4:
-        scale_bytes = scale_bytes.contiguous()
-    return data, scale_bytes.view(torch.float32)
 
 
 def _flat(args, kwargs):

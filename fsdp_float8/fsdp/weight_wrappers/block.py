@@ -6,9 +6,8 @@ shard starts on a block boundary can cast its shard exactly as the unsharded wei
 be cast: the gathered data and scales are bit for bit the unsharded cast, and the gathered
 weight serves both weight GEMMs as it is (square blocks, `linear._weight_for`).
 
-Payload (one uint8 all-gather input, as for rowwise: at shard size 1 FSDP2 passes only the
-first input to the post-hook, and on CUDA nothing made on the copy-in stream outlives the
-all-gather output): shard rows of `K` float8 bytes, each followed by `c` bytes of scales.
+Payload (one uint8 all-gather input, as for rowwise, `gather.BlockGather` in the format of
+`fsdp_float8.core.payload`): shard rows of `K` float8 bytes, each followed by `c` bytes of scales.
 The shard's scales (float32, or e8m0 for MX: 1 byte each) are flattened and laid over the
 rows, `c = ceil(scale bytes / shard rows)`; for a (4096, 4096) weight over 8 ranks that is
 128x128: 1 byte a row, MX 32x32: 4 bytes a row, exactly the scales (no padding).
@@ -22,14 +21,12 @@ checkpoint would cast differently) and would need a compacting copy after each a
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from fsdp_float8.core.blocks import E8M0, e8m0_from_scale, scale_from_e8m0
 from fsdp_float8.core.config import Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, _refuse_cpu_offload
+from fsdp_float8.fsdp.weight_wrappers.gather import BlockGather
 
 
 class BlockFloat8Weight(Float8WeightWrapper):
@@ -50,27 +47,17 @@ class BlockFloat8Weight(Float8WeightWrapper):
         check_block_shards(outer_size[0], mesh.size(), self.block[0])
         scale = self.float8_scale(mesh)
         data = self.granularity.cast(self._tensor, scale, -1, self.float8_dtype)
-        scale_dtype = self.granularity.scale_dtype
-        payload = pack_block_payload(data.view(torch.uint8), scale, scale_dtype)
-        meta = (
-            self.float8_dtype,
-            self._config.emulate,
-            self.block,
-            scale_dtype,
-            tuple(scale.shape),
-        )
+        scale_dtype, emulate = self.granularity.scale_dtype, self._config.emulate
+        payload, meta = BlockGather.pack(data, scale, scale_dtype, emulate, self.block)
         return (payload,), meta
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        float8_dtype, emulate, block, scale_dtype, shard_scale_shape = metadata
         gathered = all_gather_outputs[0]
-        k = self.shape[1]
-        data = gathered[:, :k].view(float8_dtype)
-        scale = unpack_block_scales(gathered, k, self.shape[0], shard_scale_shape, scale_dtype)
+        data, scale = metadata.unpack(gathered)
         if out is None:
             # FSDP2 frees and re-allocates these around each use: the gathered buffer (the
             # data is a strided view of it) and the scales, always a copy
-            weight = Float8Tensor(data, scale, param_dtype, emulate, block)
+            weight = Float8Tensor(data, scale, param_dtype, metadata.emulate, metadata.block)
             return weight, (gathered, scale)
         if not isinstance(out, Float8Tensor):
             raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
@@ -90,36 +77,3 @@ def check_block_shards(rows: int, shards: int, block_rows: int) -> None:
         f"{shards * block_rows}, exclude this layer with module_filter_fn, or set "
         "enable_fsdp_float8_all_gather=False (gathered in high precision, cast after)"
     )
-
-
-def _scale_bytes(scale: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
-    if scale_dtype == E8M0:
-        return e8m0_from_scale(scale).view(torch.uint8).reshape(-1)
-    return scale.contiguous().view(torch.uint8).reshape(-1)
-
-
-def scale_columns(n_scales: int, rows: int, scale_dtype: torch.dtype) -> int:
-    """Bytes of scales each of `rows` shard rows carries."""
-    return math.ceil(n_scales * scale_dtype.itemsize / max(rows, 1))
-
-
-def pack_block_payload(data: torch.Tensor, scale: torch.Tensor, scale_dtype) -> torch.Tensor:
-    """(rows, K) uint8 data and its block scales -> (rows, K + c) uint8."""
-    rows = data.shape[0]
-    raw = _scale_bytes(scale, scale_dtype)
-    c = scale_columns(scale.numel(), rows, scale_dtype)
-    raw = torch.nn.functional.pad(raw, (0, rows * c - raw.numel())).view(rows, c)
-    return torch.cat([data, raw], dim=1)
-
-
-def unpack_block_scales(gathered, k: int, shard_rows: int, shard_scale_shape, scale_dtype):
-    """The float32 block scales of the whole weight from the gathered payload."""
-    shards = gathered.shape[0] // shard_rows
-    n = math.prod(shard_scale_shape)
-    raw = gathered[:, k:].reshape(shards, -1)[:, : n * scale_dtype.itemsize].contiguous()
-    if scale_dtype == E8M0:
-        per_shard = scale_from_e8m0(raw.view(E8M0))
-    else:
-        per_shard = raw.view(torch.float32)
-    sr, sc = shard_scale_shape
-    return per_shard.reshape(shards * sr, sc)
