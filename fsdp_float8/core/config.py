@@ -203,11 +203,6 @@ _OPERAND_FIELD = {
     (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): "cast_config_grad_output",
     (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): "cast_config_grad_output_for_grad_weight",
 }
-_WEIGHT_WRAPPER = {
-    ScalingType.DYNAMIC: "DynamicFloat8Weight",
-    ScalingType.DELAYED: "DelayedFloat8Weight",
-    ScalingType.STATIC: "StaticFloat8Weight",
-}
 _DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
 
 
@@ -381,16 +376,6 @@ class Float8LinearConfig:
     def any_float8(self) -> bool:
         """False when every cast is disabled (all three GEMMs in high precision)."""
         return any(self.cast(op, g).enabled for (op, g) in _OPERAND_FIELD)
-
-    def weight_wrapper_class(self) -> type:
-        """The weight wrapper (`fsdp_float8.fsdp.weight_wrappers`) that makes this config's
-        weight all-gather in float8: the scale source follows the weight's scaling type."""
-        from fsdp_float8.fsdp import weight_wrappers  # here: weight_wrappers imports this module
-
-        cfg = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
-        if cfg.scaling_granularity is _BLOCKWISE:  # dynamic only: scales from the shard
-            return weight_wrappers.BlockFloat8Weight
-        return getattr(weight_wrappers, _WEIGHT_WRAPPER[cfg.scaling_type])
 
     def scaling_types(self) -> set[ScalingType]:
         return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}

@@ -14,20 +14,26 @@ Strategies say where the scale comes from:
 - `DelayedScaling`: from a history of past amaxes (`fsdp_float8.fsdp.delayed_state`, the one
   home of that state); the current amax is recorded for the next sync.
 - `StaticScaling`: a fixed user-given number.
+
+The scale path, one for every caller (linears, weight all-gathers, tensor parallelism,
+experts, the float8 reduce-scatter, delayed scaling, the float8 step): amax
+(`Granularity.amax`) -> optionally MAX-reduced over a group (`amax_sync`; a dynamic
+strategy's `group`, set by tensor parallelism, or the group a caller passes) -> scale
+(`amax_to_scale`, with the strategy's dtype and power-of-two rule). A strategy is the one
+owner of the power-of-two flag (`Float8LinearConfig.strategy` sets it): callers that hold an
+amax already (a batched reduction, a history) ask `strategy.scale_from_amax`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
+from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
 from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, expand_block_scale
-
-if TYPE_CHECKING:
-    from fsdp_float8.fsdp.delayed_state import DelayedState
 
 EPS = 1e-12
 
@@ -45,6 +51,16 @@ def amax_to_scale(
     if power_of_2:
         scale = round_down_to_power_of_2(scale)
     return scale
+
+
+def scale_from_amax(
+    amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool, group: Group = None
+) -> torch.Tensor:
+    """The scale path from an amax: MAX over the ranks of `group` (None: none), then
+    `amax_to_scale`. Strategies call it with their own power-of-two rule."""
+    if group is not None:
+        amax = all_reduce_amax_(amax.contiguous(), group)  # in place: one collective
+    return amax_to_scale(amax, float8_dtype, power_of_2=power_of_2)
 
 
 def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
@@ -202,24 +218,50 @@ class Blockwise:
         return expand_block_scale(scale, self.block(dim), hp.shape)
 
 
+class AmaxRecord(Protocol):
+    """One operand's delayed state as a cast sees it (`fsdp_float8.fsdp.delayed_state`)."""
+
+    scale: torch.Tensor  # () float32: the synced scale
+    initialized: torch.Tensor  # () bool: a sync has happened
+
+    def record(self, amax: torch.Tensor) -> None: ...
+
+
 class ScalingStrategy(Protocol):
+    granularity: Granularity
+
     def scale(
         self,
         hp: torch.Tensor,
         dim: int,
         float8_dtype: torch.dtype,
-        state: DelayedState | None = None,
+        state: AmaxRecord | None = None,
     ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
 class DynamicScaling:
+    """The scale of the tensor's own amax; with a `group` (tensor parallelism), of the amax
+    MAX-reduced over it: the scale of the whole operand that the group's ranks hold shards
+    of."""
+
     granularity: Granularity = Tensorwise()
     power_of_2: bool = False
+    group: Group = None
 
     def scale(self, hp, dim, float8_dtype, state=None):
-        amax = self.granularity.amax(hp, dim)
-        return amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+        return self.scale_from_amax(self.granularity.amax(hp, dim), float8_dtype)
+
+    def scale_from_amax(
+        self, amax: torch.Tensor, float8_dtype: torch.dtype, group: Group = None
+    ) -> torch.Tensor:
+        """The scale of an amax reduced over `group` (default: the strategy's own)."""
+        group = self.group if group is None else group
+        return scale_from_amax(amax, float8_dtype, power_of_2=self.power_of_2, group=group)
+
+    def reduced_over(self, group: Group) -> DynamicScaling:
+        """This strategy with its amaxes MAX-reduced over `group`."""
+        return replace(self, group=group)
 
 
 @dataclass(frozen=True)
@@ -238,8 +280,14 @@ class DelayedScaling:
             raise ValueError("delayed scaling needs the layer's DelayedState; got None")
         amax = self.granularity.amax(hp.detach(), dim)
         state.record(amax)
-        fresh = amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+        fresh = self.scale_from_amax(amax, float8_dtype)
         return torch.where(state.initialized, state.scale, fresh)
+
+    def scale_from_amax(
+        self, amax: torch.Tensor, float8_dtype: torch.dtype, group: Group = None
+    ) -> torch.Tensor:
+        """The scale of an amax (a history's, or one reduced over `group`)."""
+        return scale_from_amax(amax, float8_dtype, power_of_2=self.power_of_2, group=group)
 
 
 def check_static_scale(scale: float | None, dtypes: tuple[torch.dtype, ...]) -> None:

@@ -22,19 +22,11 @@ re-cast from the row-cast weight, sharded or not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from fsdp_float8.core.config import GEMM_OPERANDS, GEMMS, Float8LinearConfig, Gemm, Operand
-from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.scaling import (
-    Axiswise,
-    DynamicScaling,
-    Tensorwise,
-    amax_to_scale,
-    cast_to_float8_data,
-)
+from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, weight_for
+from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand
+from fsdp_float8.core.scaling import Axiswise, DynamicScaling, Tensorwise, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,
     grouped_mm_hp,
@@ -42,7 +34,6 @@ from fsdp_float8.experts.grouped_mm import (
     per_row,
 )
 
-_CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
 GROUPS = "groups"  # the grad_weight operands: per expert, along its tokens
 # the dim each cast reduces over: tokens (M, K) / grad_output (M, N), weight (E, N, K)
 EXPERT_SCALE_DIM: dict[tuple[Operand, Gemm], int | str] = {
@@ -55,35 +46,18 @@ EXPERT_SCALE_DIM: dict[tuple[Operand, Gemm], int | str] = {
 }
 
 
-@dataclass(frozen=True)
-class ExpertCastPlan:
-    """The resolved casts of an expert projection, computed once from its config."""
-
-    strategies: dict[tuple[Operand, Gemm], DynamicScaling | None]
-    dtypes: dict[tuple[Operand, Gemm], torch.dtype]
-    fast_accum: dict[Gemm, bool]
-    emulate: bool
-    pad_inner_dim: bool
-    weight_from_rows: bool
+class ExpertCastPlan(CastPlan):
+    """The linear's `CastPlan`, built after the checks that expert GEMMs need."""
 
     @classmethod
     def from_config(cls, config: Float8LinearConfig) -> ExpertCastPlan:
         check_expert_config(config)
-        strategies = {k: config.strategy(*k) for k in _CASTS}
-        rowwise_weight = _rowwise(strategies[(Operand.WEIGHT, Gemm.OUTPUT)])
-        return cls(
-            strategies=strategies,
-            dtypes={k: config.float8_dtype(*k) for k in _CASTS},
-            fast_accum={g: config.gemm_config(g).use_fast_accum for g in GEMMS},
-            emulate=config.emulate,
-            pad_inner_dim=config.pad_inner_dim,
-            weight_from_rows=config.enable_fsdp_float8_all_gather and rowwise_weight,
-        )
+        return super().from_config(config)
 
 
 def check_expert_config(config: Float8LinearConfig) -> None:
     """Expert GEMMs scale dynamically (tensorwise or rowwise): refuse the rest up front."""
-    for op, gemm in _CASTS:
+    for op, gemm in CASTS:
         strategy = config.strategy(op, gemm)
         granularity = getattr(strategy, "granularity", None)
         if strategy is not None and not isinstance(granularity, (Tensorwise, Axiswise)):
@@ -103,41 +77,24 @@ def check_expert_config(config: Float8LinearConfig) -> None:
             )
 
 
-def _rowwise(strategy) -> bool:
-    return strategy is not None and isinstance(strategy.granularity, Axiswise)
-
-
-Pair = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: ExpertCastPlan, offs) -> Pair:
+def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: CastPlan, offs) -> Pair:
     """(float8 data, scale) of one operand for one GEMM; (hp, None) for a high-precision
     GEMM. Grad_weight operands get per-(expert, column) scales (E, C) when rowwise."""
     strategy = plan.strategies[(op, gemm)]
     if strategy is None:
         return hp, None
     dtype, dim = plan.dtypes[(op, gemm)], EXPERT_SCALE_DIM[(op, gemm)]
-    if dim != GROUPS or not _rowwise(strategy):
+    if dim != GROUPS or not isinstance(strategy.granularity, Axiswise):
         scale = strategy.scale(hp, -1 if dim == GROUPS else dim, dtype)
         return cast_to_float8_data(hp, scale, dtype), scale
-    amax = group_column_amax(hp, offs)
-    scale = amax_to_scale(amax, dtype, power_of_2=strategy.power_of_2)
+    scale = strategy.scale_from_amax(group_column_amax(hp, offs), dtype)
     return cast_to_float8_data(hp, per_row(scale, offs, hp.shape[0]), dtype), scale
 
 
-def expert_weight_for(weight, gemm: Gemm, plan: ExpertCastPlan, offs) -> Pair:
-    """The weight (E, N, K) cast for `gemm`: a gathered Float8Tensor as it is (output), its
-    rows re-cast along `out` for grad_input (rowwise), or a cast of the hp weight."""
-    if isinstance(weight, Float8Tensor):  # pre-cast by the FSDP2 float8 all-gather
-        rows: Pair = (weight._data, weight._scale)
-    elif gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
-        rows = cast_expert_operand(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, offs)
-    else:
-        return cast_expert_operand(weight, Operand.WEIGHT, gemm, plan, offs)
-    if gemm is Gemm.OUTPUT or rows[1].dim() == 0:
-        return rows
-    hp = rows[0].to(torch.float32) * rows[1].reciprocal()
-    return cast_expert_operand(hp, Operand.WEIGHT, gemm, plan, offs)
+def expert_weight_for(weight, gemm: Gemm, plan: CastPlan, offs) -> Pair:
+    """The weight (E, N, K) cast for `gemm` (`cast_plan.weight_for`: a gathered Float8Tensor
+    as it is for output, its rows re-cast along `out` for grad_input when rowwise)."""
+    return weight_for(weight, gemm, plan, cast_expert_operand, offs)
 
 
 def _t3(pair: Pair) -> Pair:
@@ -146,7 +103,7 @@ def _t3(pair: Pair) -> Pair:
     return data.transpose(-2, -1), scale
 
 
-def _gemm(left: Pair, right: Pair, offs, gemm: Gemm, plan: ExpertCastPlan, out_dtype):
+def _gemm(left: Pair, right: Pair, offs, gemm: Gemm, plan: CastPlan, out_dtype):
     (a, a_scale), (b, b_scale) = left, right
     if a_scale is None:
         return grouped_mm_hp(a, b, offs, out_dtype)
@@ -165,7 +122,7 @@ def _gemm(left: Pair, right: Pair, offs, gemm: Gemm, plan: ExpertCastPlan, out_d
 
 class _Float8GroupedExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offs, plan: ExpertCastPlan):
+    def forward(ctx, x, weight, offs, plan: CastPlan):
         x_fp8 = cast_expert_operand(x, Operand.INPUT, Gemm.OUTPUT, plan, offs)
         w_fp8 = expert_weight_for(weight, Gemm.OUTPUT, plan, offs)
         out = _gemm(x_fp8, _t3(w_fp8), offs, Gemm.OUTPUT, plan, x.dtype)
@@ -189,7 +146,7 @@ class _Float8GroupedExpertsFn(torch.autograd.Function):
 
 
 def float8_grouped_mm(
-    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, plan: ExpertCastPlan
+    x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, plan: CastPlan
 ) -> torch.Tensor:
     """`x (M, in)` grouped by `offs` times each expert's `weight[e].T`: `(M, out)`, in
     float8 as `plan` says, differentiable in x and weight."""

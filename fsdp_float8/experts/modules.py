@@ -26,6 +26,7 @@ from torch import nn
 
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.experts.gemm import ExpertCastPlan, check_expert_config, float8_grouped_mm
+from fsdp_float8.fsdp.weight_wrappers import wrap_weight
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
 
 _TITAN = ("w1", "w2", "w3")
@@ -105,12 +106,10 @@ class Float8ExpertsBase(nn.Module):
         wrapper (idempotent; the storage is shared)."""
         if not self.config.enable_fsdp_float8_all_gather:
             return
-        wrapper_class = self.config.weight_wrapper_class()
         for name in self.weight_names:
             p = getattr(self, name)
             if not isinstance(p, Float8WeightWrapper):
-                wrapped = wrapper_class(p.data, self.config)
-                setattr(self, name, nn.Parameter(wrapped, requires_grad=p.requires_grad))
+                setattr(self, name, wrap_weight(p, self))
 
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         return float8_grouped_mm(x, getattr(self, name), offs, self.plan)

@@ -31,9 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
 from fsdp_float8.core.config import OPERANDS, PRIMARY_GEMM, Float8LinearConfig, Operand
 from fsdp_float8.core.scaling import DelayedScaling, amax_to_scale, tensor_amax
-from fsdp_float8.fsdp.amax_sync import Group, all_reduce_amax_
 
 _KINDS = ("amax", "amax_history", "scale", "initialized")
 

@@ -37,9 +37,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
 from fsdp_float8.core.config import Operand
 from fsdp_float8.core.scaling import amax_to_scale, tensor_amaxes
-from fsdp_float8.fsdp.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint
 from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper

@@ -15,95 +15,26 @@ backward as it does for bf16) and the high-precision input, or the float8 input 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_float8.core.cast_plan import CastPlan, Pair, weight_for
 from fsdp_float8.core.config import (
     CONTRACTION_DIM,
-    GEMM_OPERANDS,
-    GEMMS,
     OPERANDS,
     PRIMARY_GEMM,
     SECOND_GEMM,
     Float8LinearConfig,
     Gemm,
     Operand,
-    ScalingGranularity,
     ScalingType,
 )
 from fsdp_float8.core.float8_ops import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.scaling import ScalingStrategy
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.weight_wrappers import wrap_weight
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
-
-_CASTS = [(op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops]
-
-
-@dataclass(frozen=True)
-class CastPlan:
-    """The resolved casts of one layer, computed once from its config."""
-
-    strategies: dict[tuple[Operand, Gemm], ScalingStrategy | None]
-    dtypes: dict[tuple[Operand, Gemm], torch.dtype]
-    fast_accum: dict[Gemm, bool]
-    emulate: bool
-    pad_inner_dim: bool
-    # rowwise float8 all-gather: the grad_input weight is re-cast from the row-cast weight,
-    # sharded or not, so a model's numerics do not depend on how it is sharded
-    weight_from_rows: bool
-    # per GEMM: (left, right) operand blocks in the GEMM's frame (None: the scale
-    # broadcasts) and the scale dtype the block GEMM gets (e8m0 for MX)
-    blocks: dict[Gemm, tuple]
-    scale_dtypes: dict[Gemm, torch.dtype]
-
-    @classmethod
-    def from_config(cls, config: Float8LinearConfig) -> CastPlan:
-        return cls(
-            strategies={k: config.strategy(*k) for k in _CASTS},
-            dtypes={k: config.float8_dtype(*k) for k in _CASTS},
-            fast_accum={g: config.gemm_config(g).use_fast_accum for g in GEMMS},
-            emulate=config.emulate,
-            pad_inner_dim=config.pad_inner_dim,
-            weight_from_rows=config.enable_fsdp_float8_all_gather
-            and config.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_granularity
-            is ScalingGranularity.AXISWISE,
-            blocks={g: _gemm_blocks(config, g) for g in GEMMS},
-            scale_dtypes={
-                g: config.cast(GEMM_OPERANDS[g][0], g).granularity().scale_dtype for g in GEMMS
-            },
-        )
-
-    def high_precision(self, gemm: Gemm) -> bool:
-        return self.strategies[(GEMM_OPERANDS[gemm][0], gemm)] is None
-
-    def shares_cast(self, operand: Operand, first: Gemm, second: Gemm) -> bool:
-        """True when the second use can reuse the first cast (same tensorwise scale, dtype)."""
-        s1, s2 = self.strategies[(operand, first)], self.strategies[(operand, second)]
-        # tensorwise or square blocks: the same cast whichever dim is contracted
-        invariant = s1 is not None and s1.granularity.transpose_invariant
-        same_dtype = self.dtypes[(operand, first)] == self.dtypes[(operand, second)]
-        return invariant and s1 == s2 and same_dtype
-
-
-def _gemm_blocks(config: Float8LinearConfig, gemm: Gemm) -> tuple:
-    """Blocks of the GEMM's operands in its frame: left (M, K) contracts dim 1, right (K, N)
-    dim 0 (`Granularity.block`)."""
-    left, right = GEMM_OPERANDS[gemm]
-    return (
-        config.cast(left, gemm).granularity().block(1),
-        config.cast(right, gemm).granularity().block(0),
-    )
-
-
-# Inside the autograd function an operand is a pair (data, scale): float8 data with its
-# scale, or (hp, None) for a high-precision GEMM. Plain tensors trace under torch.compile;
-# a Float8Tensor weight from the all-gather is unpacked at the boundary.
-Pair = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
@@ -141,19 +72,7 @@ def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> tor
 
 
 def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
-    if isinstance(weight, Float8Tensor):  # pre-cast by the FSDP2 float8 all-gather
-        rows: Pair = (weight._data, weight._scale)
-    elif gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
-        rows = cast_operand(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, states)
-    else:
-        return cast_operand(weight, Operand.WEIGHT, gemm, plan, states)
-    if gemm is Gemm.OUTPUT or rows[1].dim() == 0 or _shared(plan, Operand.WEIGHT):
-        return rows  # tensorwise or square blocks: the gathered cast serves both GEMMs
-    # per-row scales suit the output GEMM only; grad_input contracts over the rows, so
-    # re-cast from the row-cast weight: no extra bytes gathered, grad_input SQNR within
-    # ~0.1 dB (rowwise) / ~2.5 dB (tensorwise, rowwise_with_gw_hp) of a cast from hp
-    hp = rows[0].to(torch.float32) * rows[1].reciprocal()
-    return cast_operand(hp, Operand.WEIGHT, gemm, plan, states)
+    return weight_for(weight, gemm, plan, cast_operand, states)
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -166,7 +85,7 @@ class _Float8LinearFn(torch.autograd.Function):
             x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
             saved_x = (x2, None)
             if save_input_in_float8:  # blocks: tiles along the token dim, cast here from hp
-                shared = _shared(plan, Operand.INPUT)
+                shared = plan.shared(Operand.INPUT)
                 saved_x = (
                     x_fp8
                     if shared
@@ -189,28 +108,23 @@ class _Float8LinearFn(torch.autograd.Function):
         plan, states = ctx.plan, ctx.states
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
-        if isinstance(weight, Float8Tensor) or not _shared(plan, Operand.WEIGHT):
+        if isinstance(weight, Float8Tensor) or not plan.shared(Operand.WEIGHT):
             w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
         else:
             w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
         grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype)
-        if _shared(plan, Operand.GRAD_OUTPUT):
+        if plan.shared(Operand.GRAD_OUTPUT):
             go_gw = go_fp8
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
         if x_saved_scale is not None:
             x_gw = (x_data, x_saved_scale)  # saved in float8 (save_input_in_float8)
-        elif _shared(plan, Operand.INPUT):
+        elif plan.shared(Operand.INPUT):
             x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
         else:
             x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
-
-
-def _shared(plan: CastPlan, operand: Operand) -> bool:
-    first = PRIMARY_GEMM[operand]
-    return plan.shares_cast(operand, first, SECOND_GEMM[operand])
 
 
 def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:
@@ -302,10 +216,8 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel.py)
-            from fsdp_float8.tensor_parallel.styles import local_parameters
-
-            weight, bias = local_parameters(self, x)
+        if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel/)
+            weight, bias = _local_parameters(self, x)
         if self.config.enable_fsdp_float8_all_gather:
             _require_float8_weight(weight)
         _check_input_dtype(x)
@@ -334,6 +246,26 @@ class Float8Linear(nn.Linear):
             parts.append(f"{op.value}={text}")
         fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
         return f"{super().extra_repr()}, {', '.join(parts)}{fsdp}"
+
+
+def _local_parameters(module: Float8Linear, x: torch.Tensor):
+    """The local weight and bias of a TP Float8Linear (differentiable: their gradients
+    come back as DTensors of the same placements)."""
+    layout = getattr(module, "tensor_parallel", None)  # set by the float8 TP styles
+    if layout is None:
+        raise TypeError(
+            f"this Float8Linear's weight is a DTensor {module.weight.placements} but the layer "
+            "was not parallelized with fsdp_float8's styles; use "
+            "fsdp_float8.tensor_parallel.styles.Float8ColwiseParallel / Float8RowwiseParallel in "
+            "the parallelize_module plan (torch's ColwiseParallel would run it on DTensors)"
+        )
+    if isinstance(x, DTensor):
+        raise TypeError(
+            f"a tensor-parallel Float8Linear got a DTensor input {x.placements}; its style "
+            "hands it a local tensor, so call the layer through its module (not .forward)"
+        )
+    bias = module.bias
+    return module.weight.to_local(), (bias.to_local() if bias is not None else None)
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:

@@ -23,11 +23,12 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from fsdp_float8.core._compat import all_gather_single
+from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.config import Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.scaling import DynamicScaling, cast_to_float8_data
-from fsdp_float8.nn.linear import CastPlan, Float8Linear
-from fsdp_float8.tensor_parallel.styles import TPReducedScaling, check_tp_config
+from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.tensor_parallel.styles import check_tp_config
 
 
 class _Float8SPAllGather(torch.autograd.Function):
@@ -125,7 +126,7 @@ def _input_cast_shared(plan: CastPlan) -> bool:
 
 def _tp_strategy(strategy, mesh: DeviceMesh):
     if isinstance(strategy, DynamicScaling):
-        return TPReducedScaling(strategy, mesh.get_group())
+        return strategy.reduced_over(mesh.get_group())
     return strategy  # static: the same number on every rank
 
 
@@ -146,7 +147,8 @@ def _input_cast(module: nn.Module, float8_dtype: torch.dtype, fqn: str | None):
         check_tp_config(m, f" ({name})")
         key = (Operand.INPUT, Gemm.OUTPUT)
         strategy, dtype = m.plan.strategies[key], m.plan.dtypes[key]
-        strategy = strategy.inner if isinstance(strategy, TPReducedScaling) else strategy
+        if isinstance(strategy, DynamicScaling):  # the input's own cast, not TP-reduced
+            strategy = strategy.reduced_over(None)
         if strategy is None or not _input_cast_shared(m.plan) or dtype != float8_dtype:
             raise ValueError(
                 f"PrepareFloat8ModuleInput casts tensorwise to {float8_dtype}, but {name} "

@@ -32,7 +32,7 @@ group exactly when that reduction spans the operand's sharded dim, and nowhere e
 So every rank casts the bits a single process would, and the only difference from one
 process is the order in which partial sums of a split contraction are added. The style
 gives the layer a `TensorParallelLayout` and a cast plan whose strategies reduce where the
-table says (`TPReducedScaling`, through `amax_sync`). Under FSDP2 on a (dp, tp) mesh the
+table says (`DynamicScaling.reduced_over` the TP group: the one scale path). Under FSDP2 on a (dp, tp) mesh the
 weight scales come from the float8 all-gather's pre-hook, whose amax group is the sharded
 parameter's mesh dims (`amax_sync.shard_group`).
 
@@ -56,8 +56,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -73,19 +71,17 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.config import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.scaling import (
     Axiswise,
     DelayedScaling,
-    DynamicScaling,
     StaticScaling,
     Tensorwise,
-    amax_to_scale,
 )
-from fsdp_float8.fsdp.amax_sync import all_reduce_amax_
 from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
-from fsdp_float8.nn.linear import CastPlan, Float8Linear
+from fsdp_float8.nn.linear import Float8Linear
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 # the sharded dim of each operand's local 2-D form (see the module docstring)
@@ -115,30 +111,13 @@ class TensorParallelLayout:
         return CONTRACTION_DIM[(gemm, operand)] % 2 == dim
 
 
-@dataclass(frozen=True)
-class TPReducedScaling:
-    """Dynamic scaling whose amax is MAX-reduced over the TP group before the scale math:
-    the scale of the whole (unsharded) operand."""
-
-    inner: DynamicScaling
-    group: dist.ProcessGroup
-
-    @property
-    def granularity(self):
-        return self.inner.granularity
-
-    def scale(self, hp, dim, float8_dtype, state=None):
-        amax = all_reduce_amax_(self.inner.granularity.amax(hp, dim).contiguous(), self.group)
-        return amax_to_scale(amax, float8_dtype, power_of_2=self.inner.power_of_2)
-
-
 def tp_cast_plan(plan: CastPlan, layout: TensorParallelLayout) -> CastPlan:
     """`plan` with every cast whose amax spans a TP-sharded dim reduced over the TP group."""
     group = layout.mesh.get_group()
     strategies = {}
     for (operand, gemm), strategy in plan.strategies.items():
         if strategy is not None and layout.reduces(operand, gemm, strategy):
-            strategy = TPReducedScaling(strategy, group)
+            strategy = strategy.reduced_over(group)
         strategies[(operand, gemm)] = strategy
     return replace(plan, strategies=strategies)
 
@@ -168,26 +147,6 @@ def check_tp_config(module: nn.Module, fqn_hint: str = "") -> None:
                 "'rowwise' recipe for tensor-parallel layers, or keep this layer out of the "
                 "TP plan"
             )
-
-
-def local_parameters(module: Float8Linear, x: torch.Tensor):
-    """The local weight and bias of a TP Float8Linear (differentiable: their gradients
-    come back as DTensors of the same placements)."""
-    layout = getattr(module, "tensor_parallel", None)
-    if layout is None:
-        raise TypeError(
-            f"this Float8Linear's weight is a DTensor {module.weight.placements} but the layer "
-            "was not parallelized with fsdp_float8's styles; use "
-            "fsdp_float8.tensor_parallel.styles.Float8ColwiseParallel / Float8RowwiseParallel in "
-            "the parallelize_module plan (torch's ColwiseParallel would run it on DTensors)"
-        )
-    if isinstance(x, DTensor):
-        raise TypeError(
-            f"a tensor-parallel Float8Linear got a DTensor input {x.placements}; its style "
-            "hands it a local tensor, so call the layer through its module (not .forward)"
-        )
-    bias = module.bias
-    return module.weight.to_local(), (bias.to_local() if bias is not None else None)
 
 
 def _prepare(module: nn.Module, mesh: DeviceMesh, style: str, weight_dim: int, src: int | None):
@@ -312,5 +271,4 @@ __all__ = [
     "Float8ColwiseParallel",
     "Float8RowwiseParallel",
     "TensorParallelLayout",
-    "TPReducedScaling",
 ]

@@ -69,6 +69,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.blocks import expand_block_scale
+from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.config import (
     CONTRACTION_DIM,
     OPERANDS,
@@ -81,7 +82,7 @@ from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.numerics import out_of_range_fraction, underflow_fraction
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
-from fsdp_float8.nn.linear import CastPlan, Float8Linear
+from fsdp_float8.nn.linear import Float8Linear
 
 RECORD_FIELDS = (
     "step",

@@ -1,14 +1,22 @@
 """Weight tensor subclasses whose FSDP2 all-gather sends float8 (see `base`).
 
-`wrap_weight` is the one way a layer's weight becomes a wrapper: the config picks the class
-(`Float8LinearConfig.weight_wrapper_class`), and a delayed weight gets its layer's
-`DelayedScalingState` as its scale source.
+`wrap_weight` is the one way a weight (a linear's, an expert projection's) becomes a wrapper:
+the type of the weight's scaling strategy picks the class (`wrapper_class`), and a delayed
+weight gets its layer's `DelayedScalingState` as its scale source.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.core.scaling import (
+    Blockwise,
+    DelayedScaling,
+    DynamicScaling,
+    ScalingStrategy,
+    StaticScaling,
+)
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.fsdp.weight_wrappers.block import BlockFloat8Weight
 from fsdp_float8.fsdp.weight_wrappers.delayed import DelayedFloat8Weight
@@ -16,9 +24,26 @@ from fsdp_float8.fsdp.weight_wrappers.dynamic import DynamicFloat8Weight
 from fsdp_float8.fsdp.weight_wrappers.static import StaticFloat8Weight
 
 
+def wrapper_class(strategy: ScalingStrategy) -> type[Float8WeightWrapper]:
+    """The wrapper whose all-gather casts as `strategy` says: its type picks where the scale
+    comes from (block scales: from the shard's own blocks, no collective)."""
+    if isinstance(strategy.granularity, Blockwise):
+        return BlockFloat8Weight
+    return _WRAPPERS[type(strategy)]
+
+
+_WRAPPERS: dict[type, type[Float8WeightWrapper]] = {
+    DynamicScaling: DynamicFloat8Weight,
+    DelayedScaling: DelayedFloat8Weight,
+    StaticScaling: StaticFloat8Weight,
+}
+
+
 def wrap_weight(weight: nn.Parameter, module: nn.Module) -> nn.Parameter:
-    """The module's weight as a Parameter whose FSDP2 all-gather is float8."""
-    wrapper = module.config.weight_wrapper_class()(weight.data, module.config)
+    """The module's weight (a linear's, or one 3-D weight of float8 experts) as a Parameter
+    whose FSDP2 all-gather is float8, cast with the module's weight strategy."""
+    config = module.config
+    wrapper = wrapper_class(config.strategy(Operand.WEIGHT, Gemm.OUTPUT))(weight.data, config)
     if isinstance(wrapper, DelayedFloat8Weight):
         wrapper.scale_source = module.delayed_scaling
     return nn.Parameter(wrapper, requires_grad=weight.requires_grad)
@@ -32,4 +57,5 @@ __all__ = [
     "StaticFloat8Weight",
     "plain_weight",
     "wrap_weight",
+    "wrapper_class",
 ]

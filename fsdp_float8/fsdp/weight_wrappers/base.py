@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand, ScalingGranularity
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.scaling import cast_to_float8_data
-from fsdp_float8.fsdp.amax_sync import shard_group
 from fsdp_float8.fsdp.weight_wrappers.gather import RowwiseGather, TensorwiseGather
 
 aten = torch.ops.aten
@@ -241,6 +241,11 @@ class Float8WeightWrapper(torch.Tensor):
     @property
     def float8_dtype(self) -> torch.dtype:
         return self._config.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT)
+
+    @property
+    def strategy(self):
+        """The weight's scaling strategy (its all-gather cast): scale path and rules."""
+        return self._config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
 
     @property
     def rowwise(self) -> bool:

@@ -4,7 +4,7 @@ the block scales together, with no amax collective.
 Mental model: a block scale depends only on the block's own values, so a rank whose dim-0
 shard starts on a block boundary can cast its shard exactly as the unsharded weight would
 be cast: the gathered data and scales are bit for bit the unsharded cast, and the gathered
-weight serves both weight GEMMs as it is (square blocks, `linear._weight_for`).
+weight serves both weight GEMMs as it is (square blocks, `cast_plan.weight_for`).
 
 Payload (one uint8 all-gather input, as for rowwise, `gather.BlockGather` in the format of
 `fsdp_float8.core.payload`): shard rows of `K` float8 bytes, each followed by `c` bytes of scales.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_float8.core.config import Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, _refuse_cpu_offload
 from fsdp_float8.fsdp.weight_wrappers.gather import BlockGather
@@ -32,15 +31,14 @@ from fsdp_float8.fsdp.weight_wrappers.gather import BlockGather
 class BlockFloat8Weight(Float8WeightWrapper):
     @property
     def granularity(self):
-        return self._config.cast(Operand.WEIGHT, Gemm.OUTPUT).granularity()
+        return self.strategy.granularity
 
     @property
     def block(self) -> tuple[int, int]:
         return self.granularity.block(-1)
 
     def float8_scale(self, mesh) -> torch.Tensor:
-        strategy = self._config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
-        return strategy.scale(self._tensor, -1, self.float8_dtype)  # the shard's own blocks
+        return self.strategy.scale(self._tensor, -1, self.float8_dtype)  # the shard's own blocks
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_float8.core.scaling import amax_to_scale, axis_amax, tensor_amax
-from fsdp_float8.fsdp.amax_sync import all_reduce_amax_
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
 
 
@@ -30,12 +28,11 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         return self.fresh_stamped_scale() is not None
 
     def float8_scale(self, mesh) -> torch.Tensor:
-        pow2 = self._config.round_scales_to_power_of_2
-        if self.rowwise:  # per output row: no collective unless tensor parallel splits rows
-            amax = all_reduce_amax_(axis_amax(self._tensor, -1), mesh)
-            return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)
-        precomputed = self.fresh_stamped_scale()
-        if precomputed is not None:
-            return precomputed
-        amax = all_reduce_amax_(tensor_amax(self._tensor).reshape(1), mesh)[0]
-        return amax_to_scale(amax, self.float8_dtype, power_of_2=pow2)
+        if not self.rowwise:
+            precomputed = self.fresh_stamped_scale()
+            if precomputed is not None:
+                return precomputed
+        # the shard's amax MAX-reduced over `mesh`: the shard mesh (tensorwise); rowwise,
+        # only tensor parallel's dim that splits rows, else None (no collective)
+        amax = self.strategy.granularity.amax(self._tensor, -1)
+        return self.strategy.scale_from_amax(amax, self.float8_dtype, mesh)
