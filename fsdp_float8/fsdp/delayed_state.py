@@ -31,9 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
+from fsdp_float8.core.amax_sync import Group
 from fsdp_float8.core.config import OPERANDS, PRIMARY_GEMM, Float8LinearConfig, Operand
-from fsdp_float8.core.scaling import DelayedScaling, amax_to_scale, tensor_amax
+from fsdp_float8.core.scaling import DelayedScaling, tensor_amax
 
 _KINDS = ("amax", "amax_history", "scale", "initialized")
 
@@ -62,7 +62,7 @@ class DelayedState(NamedTuple):
         history = torch.roll(self.amax_history, 1)
         history[0] = amax
         source = history.amax() if strategy.scale_fn_name == "max" else history[0]
-        scale = amax_to_scale(source, dtype, power_of_2=strategy.power_of_2)
+        scale = strategy.scale_from_amax(source, dtype)
         where = torch.as_tensor(where, device=history.device)
         self.amax_history.copy_(torch.where(where, history, self.amax_history))
         self.scale.copy_(torch.where(where, scale, self.scale))
@@ -142,10 +142,8 @@ class DelayedScalingState(nn.Module):
         state.record(amax)
         if self.weight_ready:
             return state.scale.clone()
-        amax = all_reduce_amax_(amax.reshape(1), mesh)[0]
-        strategy = self.strategies[Operand.WEIGHT]
-        dtype = self.dtypes[Operand.WEIGHT]
-        return amax_to_scale(amax, dtype, power_of_2=strategy.power_of_2)
+        strategy, dtype = self.strategies[Operand.WEIGHT], self.dtypes[Operand.WEIGHT]
+        return strategy.scale_from_amax(amax, dtype, group=mesh)
 
     # -- the sync ---------------------------------------------------------------------------
     def due(self, optimizer_steps: int) -> bool:
