@@ -21,7 +21,7 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
-from scripts.model import Transformer, model_args
+from tests.models import Transformer, model_args
 
 
 @dataclass(frozen=True)

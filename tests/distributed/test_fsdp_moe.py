@@ -1,6 +1,6 @@
 """FSDP2 + float8 all-gather of 3-D expert weights (issue 14), on gloo.
 
-A small MoE transformer (scripts.model with a MoEArgs feed-forward) whose experts alone are
+A small MoE transformer (tests.models with a MoEArgs feed-forward) whose experts alone are
 float8 (the linears stay fp32, so the expert bytes stand out), trained for 6 steps:
 - losses equal, step by step, to a replicated single-process float8 reference with
   hand-averaged gradients (same seed, the same local batch: rowwise and grad_weight scales
@@ -24,9 +24,8 @@ from torch.distributed.fsdp import fully_shard
 
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
 from fsdp_float8.tools.comm_stats import CollectiveCounter
-from scripts.model import Transformer, model_args
-from scripts.moe import MoEArgs, moe_aux_loss
 from tests.distributed.launcher import DistributedError, cpu_mesh, run_distributed
+from tests.models import MoEArgs, Transformer, model_args, moe_aux_loss
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Float8 tensor parallelism (TP 2, sequence parallel) on 2 gloo ranks, one spawn:
 
-- parity: the Llama model under `scripts.tp_plan` (float8 attention and MLP, sequence-parallel
+- parity: a small Llama model under the plan in tp_cases (float8 attention and MLP, sequence-parallel
   norms and embedding) trains like the single-process float8 model on the same data, for
   tensorwise, rowwise, rowwise_with_gw_hp and static scaling, to the reduction-order
   tolerance of test_fsdp_parity (`order_tolerances`: 4x the running spread of two

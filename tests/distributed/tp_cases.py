@@ -2,6 +2,11 @@
 (optionally FSDP2 over the dp dim of a (dp, tp) mesh) against a single-process float8
 reference on the same data.
 
+The plan is torchtitan's layout: sequence-parallel norms and embedding; wq/wk/wv and w1/w3
+colwise, wo and w2 rowwise (outputs reduce-scattered to sequence shards); the attention and
+MLP inputs all-gathered in float8 (`PrepareFloat8ModuleInput`) when every consumer casts its
+input tensorwise to one dtype for both of its GEMMs, in high precision otherwise.
+
 The reference runs on each rank with no collective: the same model, each dp rank's slice of
 the global batch in turn, gradients of the slices averaged by hand (FSDP2 averages over dp),
 so its float8 casts see exactly the tensors a dp rank casts.
@@ -14,10 +19,26 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
-from scripts.model import Transformer, model_args
-from scripts.tp_plan import apply_tensor_parallel
+from fsdp_float8 import (
+    CastConfig,
+    Float8ColwiseParallel,
+    Float8Linear,
+    Float8LinearConfig,
+    Float8RowwiseParallel,
+    PrepareFloat8ModuleInput,
+    convert_to_float8_training,
+)
+from fsdp_float8.core.config import Gemm, Operand
+from tests.models import Transformer, model_args
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,56 @@ def build_model(case: TPCase, *, all_gather: bool | None = None) -> nn.Module:
     config = float8_config(case if all_gather is None else replace(case, fp8_all_gather=all_gather))
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, f: f != "output")
     return model
+
+
+def _prepare(consumers: list[nn.Module], n_inputs: int):
+    layouts, desired = (
+        (Shard(1),) + (None,) * (n_inputs - 1),
+        (Replicate(),) + (None,) * (n_inputs - 1),
+    )
+    key = (Operand.INPUT, Gemm.OUTPUT)
+    float8 = all(
+        isinstance(m, Float8Linear)
+        and m.plan.shares_cast(Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT)
+        for m in consumers
+    )
+    if float8 and len({m.plan.dtypes[key] for m in consumers}) == 1:
+        return PrepareFloat8ModuleInput(
+            input_layouts=layouts,
+            desired_input_layouts=desired,
+            float8_dtype=consumers[0].plan.dtypes[key],
+        )
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=desired)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
+    """The plan of the module docstring, in place, over the 1-D `tp_mesh`."""
+
+    def col(m):
+        return Float8ColwiseParallel() if isinstance(m, Float8Linear) else ColwiseParallel()
+
+    def row(m):
+        style = Float8RowwiseParallel if isinstance(m, Float8Linear) else RowwiseParallel
+        return style(output_layouts=Shard(1))
+
+    head = Float8ColwiseParallel if isinstance(model.output, Float8Linear) else ColwiseParallel
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": head(input_layouts=Shard(1), output_layouts=Replicate()),
+    })  # fmt: skip
+    for block in model.blocks:
+        attn, ffn = block.attention, block.feed_forward
+        plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        plan["attention"] = _prepare([attn.wq, attn.wk, attn.wv], 3)  # (x, cos, sin)
+        plan["feed_forward"] = _prepare([ffn.w1, ffn.w3], 1)
+        for name, m in (("wq", attn.wq), ("wk", attn.wk), ("wv", attn.wv), ("wo", attn.wo)):
+            plan[f"attention.{name}"] = row(m) if name == "wo" else col(m)
+        for name, m in (("w1", ffn.w1), ("w3", ffn.w3), ("w2", ffn.w2)):
+            plan[f"feed_forward.{name}"] = row(m) if name == "w2" else col(m)
+        parallelize_module(block, tp_mesh, plan)
+        attn.n_heads //= tp_mesh.size()
+        attn.n_kv_heads //= tp_mesh.size()
 
 
 def global_batch(case: TPCase, step: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from fsdp_float8 import (
     sqnr_db,
 )
 from fsdp_float8.core.numerics import SQNR_DB
-from scripts.model import Transformer, model_args
+from tests.models import Transformer, model_args
 
 
 def _model() -> nn.Module:

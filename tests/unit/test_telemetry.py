@@ -1,13 +1,11 @@
 """Float8Telemetry: exact saturation/underflow counts on constructed tensors, sampling every N
 steps without launching anything on the other steps, warnings that name the layer, the
 tensorwise / rowwise / delayed recipes on a converted model (delayed state untouched), the
-FSDP2 float8 all-gather weight path on one in-process rank, and the heatmap script."""
+FSDP2 float8 all-gather weight path on one in-process rank."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import warnings
 from collections import OrderedDict
 
@@ -33,7 +31,6 @@ from fsdp_float8.tools.telemetry import (
     RECORD_FIELDS,
     Float8NumericsWarning,
     Float8Telemetry,
-    append_jsonl,
 )
 from tests.unit.float8_helpers import OpLog
 
@@ -286,27 +283,3 @@ def test_fsdp2_float8_all_gather_weight_uses_sharded_hp(tmp_path):
     n_sat, n_under, *_ = COUNTS["weight"]
     assert (second["saturation"], second["underflow"]) == (n_sat / DIM**2, n_under / DIM**2)
     assert second["amax"] == 600.0 and second["scale"] == 1.0
-
-
-def test_plot_script_writes_png(tmp_path, monkeypatch):
-    from scripts import plot_numerics
-
-    model = _model(Float8LinearConfig.rowwise())
-    tel = Float8Telemetry(model, every=2, all_casts=True)
-    path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")  # a training line: skipped
-    for step in range(5):
-        _train_step(model, step)
-        tel.step()
-    assert append_jsonl(path, tel.flush()) == 3 * 2 * 3 * 2
-    labels, steps, grid = plot_numerics.build_grid(plot_numerics.read_records(path), "amax")
-    assert steps == [0, 2, 4] and "up.input@output" in labels and len(grid) == 12
-
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert plot_numerics.main([str(path), "--out", str(tmp_path / "none.png")]) == 2
-    monkeypatch.undo()
-
-    pytest.importorskip("matplotlib")
-    out = tmp_path / "numerics.png"
-    assert plot_numerics.main([str(path), "--out", str(out)]) == 0
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

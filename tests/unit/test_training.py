@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
-from scripts.data import TokenBatcher
-from scripts.model import Transformer, model_args
+from tests.models import Transformer, model_args
 
 STEPS, SEQ_LEN, BATCH, LR = 50, 64, 8, 3e-3
 LOSS_TOLERANCE = 0.05  # relative, on the mean of the last LAST losses
@@ -43,6 +42,13 @@ def _tokens() -> np.ndarray:
     return np.frombuffer(Path(argparse.__file__).read_bytes(), dtype=np.uint8)
 
 
+def _batch(tokens: np.ndarray, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BATCH random windows of SEQ_LEN + 1 tokens (inputs and next-token targets)."""
+    offsets = np.random.default_rng([0, step]).integers(0, len(tokens) - SEQ_LEN, size=BATCH)
+    rows = torch.from_numpy(tokens[offsets[:, None] + np.arange(SEQ_LEN + 1)].astype(np.int64))
+    return rows[:, :-1], rows[:, 1:]
+
+
 def train(recipe: str | None, steps: int = STEPS) -> list[float]:
     """Losses of `steps` AdamW steps; recipe None is the bf16 baseline."""
     torch.manual_seed(0)
@@ -55,10 +61,10 @@ def train(recipe: str | None, steps: int = STEPS) -> list[float]:
         )
         assert len(model.float8_conversion_report.converted) == 7 * ARGS.n_layers
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    batches = TokenBatcher(_tokens(), seq_len=SEQ_LEN, global_batch=BATCH, seed=0)
+    tokens = _tokens()
     losses = []
     for step in range(steps):
-        inputs, targets = batches.batch(step)
+        inputs, targets = _batch(tokens, step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
