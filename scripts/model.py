@@ -22,11 +22,6 @@ copies out its own shard. The rotary tables are non-persistent buffers that
 
 ``forward`` returns logits in the output head's compute dtype (float32 for float32
 parameters, the param dtype under FSDP2 mixed precision); upcast before the loss.
-
-FLOPs for MFU (``flops_per_token``): ``6 * N + 12 * n_layers * dim * seq_len`` where N
-counts the non-embedding parameters (the output head included, even when tied, because its
-matmul still runs), the usual PaLM-appendix formula; the attention term ignores causal
-masking as that formula does.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scripts.model_shapes import PRESETS, ModelArgs, model_args
+from scripts.model_shapes import PRESETS, ModelArgs, flops_per_token, model_args, param_count
 from scripts.moe import MoE
 
 __all__ = [
@@ -141,7 +136,9 @@ class TransformerBlock(nn.Module):
         if args.moe is None:
             self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
         else:
-            self.feed_forward = MoE(args.dim, args.moe)
+            hidden = args.moe.shared_expert_hidden_dim
+            shared = FeedForward(args.dim, hidden) if hidden else None
+            self.feed_forward = MoE(args.dim, args.moe, shared)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -248,28 +245,6 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def param_count(args: ModelArgs, *, exclude_embedding: bool = True, active: bool = False) -> int:
-    """Parameters of ``Transformer(args)`` from the shapes alone (no model needed).
-
-    With ``exclude_embedding`` the token embedding is left out but the output head is
-    counted even when tied, since its matmul runs either way (this is the N of 6N).
-    ``active``: a MoE block counts only the ``top_k`` experts a token runs through.
-    """
-    kv_dim = args.kv_heads * args.head_dim
-    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
-    mlp = 3 * args.dim * args.ffn_hidden_dim
-    if args.moe is not None:
-        m = args.moe
-        experts = m.top_k if active else m.n_experts
-        mlp = 3 * args.dim * (experts * m.hidden_dim + m.shared_expert_hidden_dim)
-        mlp += m.n_experts * args.dim  # router
-    per_block = attention + mlp + 2 * args.dim
-    total = args.n_layers * per_block + args.dim + args.vocab_size * args.dim
-    if not exclude_embedding and not args.tie_embeddings:
-        total += args.vocab_size * args.dim
-    return total
-
-
 def num_params(model: nn.Module, exclude_embedding: bool = True) -> int:
     """Distinct parameters of ``model`` (global sizes for DTensors), minus the embedding.
 
@@ -283,10 +258,3 @@ def num_params(model: nn.Module, exclude_embedding: bool = True) -> int:
         }
         total -= sum(embeddings.values())
     return total
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward): ``6 N + 12 L d T``; see module doc."""
-    if seq_len <= 0:
-        raise ValueError(f"seq_len={seq_len}; expected a positive int")
-    return 6 * param_count(args, active=True) + 12 * args.n_layers * args.dim * seq_len

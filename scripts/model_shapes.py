@@ -1,6 +1,8 @@
-"""Model shapes: `ModelArgs` (the transformer's shape, FFN width derived Llama-style), the
-named presets (`PRESETS`, CPU-sized and GPU-sized dense and MoE models) and `model_args`,
-a preset with fields replaced. The modules that use them live in `scripts.model`."""
+"""Model shapes: `ModelArgs` (the transformer's shape, FFN width derived Llama-style) and
+`MoEArgs` (its mixture-of-experts feed-forward), the named presets (`PRESETS`, CPU-sized and
+GPU-sized dense and MoE models), `model_args` (a preset with fields replaced), and the counts
+derived from shapes alone: `param_count` and `flops_per_token` (for MFU). The modules that
+use them live in `scripts.model` and `scripts.moe`; this module imports neither."""
 
 from __future__ import annotations
 
@@ -8,9 +10,38 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from scripts.moe import MoEArgs
+__all__ = [
+    "PRESETS",
+    "ModelArgs",
+    "MoEArgs",
+    "flops_per_token",
+    "model_args",
+    "param_count",
+]
 
-__all__ = ["PRESETS", "ModelArgs", "model_args"]
+
+@dataclass(frozen=True, kw_only=True)
+class MoEArgs:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256  # each expert's SwiGLU hidden size
+    score_fn: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    shared_expert_hidden_dim: int = 0  # 0: no shared expert
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.score_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoEArgs.score_fn={self.score_fn!r}; expected softmax or sigmoid")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"MoEArgs top_k={self.top_k}, n_experts={self.n_experts}; expected "
+                "1 <= top_k <= n_experts"
+            )
+        if self.hidden_dim <= 0 or self.shared_expert_hidden_dim < 0:
+            raise ValueError(
+                f"MoEArgs hidden_dim={self.hidden_dim}, shared_expert_hidden_dim="
+                f"{self.shared_expert_hidden_dim}; expected > 0 and >= 0"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,3 +176,35 @@ def model_args(preset: str, **overrides: object) -> ModelArgs:
             f"{sorted(fields)}"
         )
     return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+def param_count(args: ModelArgs, *, exclude_embedding: bool = True, active: bool = False) -> int:
+    """Parameters of ``Transformer(args)`` from the shapes alone (no model needed).
+
+    With ``exclude_embedding`` the token embedding is left out but the output head is
+    counted even when tied, since its matmul runs either way (this is the N of 6N).
+    ``active``: a MoE block counts only the ``top_k`` experts a token runs through.
+    """
+    kv_dim = args.kv_heads * args.head_dim
+    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+    mlp = 3 * args.dim * args.ffn_hidden_dim
+    if args.moe is not None:
+        m = args.moe
+        experts = m.top_k if active else m.n_experts
+        mlp = 3 * args.dim * (experts * m.hidden_dim + m.shared_expert_hidden_dim)
+        mlp += m.n_experts * args.dim  # router
+    per_block = attention + mlp + 2 * args.dim
+    total = args.n_layers * per_block + args.dim + args.vocab_size * args.dim
+    if not exclude_embedding and not args.tie_embeddings:
+        total += args.vocab_size * args.dim
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), the PaLM appendix's
+    ``6 * N + 12 * n_layers * dim * seq_len``: N counts the active non-embedding parameters
+    (the output head included, even when tied, since its matmul runs); the attention term
+    ignores causal masking as that formula does."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len}; expected a positive int")
+    return 6 * param_count(args, active=True) + 12 * args.n_layers * args.dim * seq_len

@@ -18,37 +18,12 @@ of routed slots and p the mean router probability of expert e) and `tokens_per_e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdp_float8.experts.grouped_mm import grouped_mm_hp
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEArgs:
-    n_experts: int = 8
-    top_k: int = 2
-    hidden_dim: int = 256  # each expert's SwiGLU hidden size
-    score_fn: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
-    shared_expert_hidden_dim: int = 0  # 0: no shared expert
-    aux_loss_coef: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.score_fn not in ("softmax", "sigmoid"):
-            raise ValueError(f"MoEArgs.score_fn={self.score_fn!r}; expected softmax or sigmoid")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(
-                f"MoEArgs top_k={self.top_k}, n_experts={self.n_experts}; expected "
-                "1 <= top_k <= n_experts"
-            )
-        if self.hidden_dim <= 0 or self.shared_expert_hidden_dim < 0:
-            raise ValueError(
-                f"MoEArgs hidden_dim={self.hidden_dim}, shared_expert_hidden_dim="
-                f"{self.shared_expert_hidden_dim}; expected > 0 and >= 0"
-            )
+from scripts.model_shapes import MoEArgs
 
 
 class GroupedExperts(nn.Module):
@@ -70,16 +45,15 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, args: MoEArgs) -> None:
+    """Routed experts plus an optional dense `shared_expert` (the caller builds it, with
+    `args.shared_expert_hidden_dim`), both applied to every token."""
+
+    def __init__(self, dim: int, args: MoEArgs, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.args = args
         self.router = nn.Parameter(torch.empty(args.n_experts, dim))
         self.experts = GroupedExperts(dim, args.hidden_dim, args.n_experts)
-        self.shared_expert = None
-        if args.shared_expert_hidden_dim:
-            from scripts.model import FeedForward
-
-            self.shared_expert = FeedForward(dim, args.shared_expert_hidden_dim)
+        self.shared_expert = shared_expert
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 

@@ -31,3 +31,45 @@ def test_library_tests_do_not_import_the_trainer():
         for f in files
     }
     assert {f: n for f, n in offenders.items() if n} == {}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1 or node in graph[node]:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_trainer_modules_import_without_a_circle():
+    modules = {p.stem: p for p in (REPO / PACKAGE).glob("*.py") if p.stem != "__init__"}
+    graph = {
+        name: {
+            n.split(".")[1]
+            for n in _imports(path)
+            if n.startswith(f"{PACKAGE}.") and n.split(".")[1] in modules
+        }
+        for name, path in modules.items()
+    }
+    assert _cycles(graph) == []
