@@ -24,12 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-# Dense (no sparsity) peak TFLOP/s of the SXM parts, from NVIDIA's datasheets.
+# Dense (no sparsity) peak TFLOP/s of the SXM parts, from NVIDIA's datasheets; the one table
+# that benchmarks (% of peak) and the trainer (MFU, against bf16) read. No "fp8": no float8.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100": {"bf16": 989.4, "fp8": 1978.9},
     "H200": {"bf16": 989.4, "fp8": 1978.9},
     "GH200": {"bf16": 989.4, "fp8": 1978.9},
+    "A100": {"bf16": 312.0},
+    "L40S": {"bf16": 362.0},
+    "L4": {"bf16": 121.0},
 }
 
 
@@ -96,14 +101,12 @@ def device_name(device: torch.device) -> str:
 
 
 def peak_tflops(device: torch.device) -> dict[str, float] | None:
-    """{'bf16': ..., 'fp8': ...} dense peaks for a known GPU, None otherwise (CPU)."""
+    """{'bf16': ..., 'fp8': ...} dense peaks for a known GPU (a word of its name, e.g.
+    "NVIDIA H200" or "NVIDIA A100-SXM4-80GB"), None otherwise (CPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in name.split() or f" {key}" in name:
-            return peaks
-    return None
+    words = torch.cuda.get_device_name(device).replace("-", " ").split()
+    return next((peaks for key, peaks in PEAK_TFLOPS.items() if key in words), None)
 
 
 def git_commit() -> str | None:
@@ -263,3 +266,20 @@ def _cpu_peak_mib(prof) -> float | None:
         live += nbytes
         peak = max(peak, live)
     return peak / 2**20
+
+
+class HostReads(TorchDispatchMode):
+    """Counts `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `float(t)` run): `count`
+    all of them, `device_count` those of a non-CPU tensor (each a device sync). On a CPU run
+    every read is a CPU read; compare configs against bf16 (the optimizer's own reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.device_count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+            self.device_count += args[0].device.type != "cpu"
+        return func(*args, **(kwargs or {}))

@@ -5,41 +5,25 @@ Run (from the repository root):
     torchrun --standalone --nproc_per_node 2 -m scripts.bench_fsdp --quick --json /tmp/f.json
     torchrun --standalone --nproc_per_node 1 -m scripts.bench_fsdp --device cuda --json out/fsdp.json
 
-Mental model: every config trains the same model (`scripts.model.Transformer`, same seed,
-same per-rank token batches) wrapped the same way (`fully_shard` per block, then the root;
-bf16 parameters and fp32 gradient reduction), and differs only in the float8 setup:
+Every config trains the same model (same seed and per-rank batches, `fully_shard` per block
+then the root, bf16 parameters, fp32 gradient reduction) and differs only in its float8
+setup: `bf16`; `float8_bf16_ag` (tensorwise GEMMs, bf16 all-gather); `float8_ag` (float8
+all-gather, the float8 step off: each weight's scale all-reduced in its pre-all-gather);
+`float8_ag_precompute` (the float8 step on: one scale collective per step, the loop calls no
+float8 function), also with inputs saved in float8 (`_fp8_saved`) and emulated (`_emulate`);
+`delayed` (delayed scaling, float8 all-gather); `torchao_float8_ag_precompute` (torchao's
+float8 all-gather and precompute, when torchao imports; emulated on the CPU, so compare its
+bytes and collectives there, not its time).
 
-- `bf16`: no float8.
-- `float8_bf16_ag`: tensorwise float8 GEMMs, weights all-gathered in bf16.
-- `float8_ag`: float8 all-gather with the float8 refresh hook removed: each weight's scale
-  all-reduced in its pre-all-gather.
-- `float8_ag_precompute`: float8 all-gather; the refresh hook that `convert_to_float8_training`
-  installs precomputes the weight scales before each forward after an optimizer step (one
-  collective per step; the loop calls no float8 function).
-- `delayed`: delayed scaling for all operands with float8 all-gather; the same hook syncs
-  after each step (one collective per step).
-- `torchao_float8_ag_precompute`: torchao's float8 training with its float8 all-gather and
-  precompute (only when torchao imports; a dev-only comparison).
-
-Per config, in the table: `step ms`, the median step (forward, backward, optimizer step,
-the float8 pass) of the slowest rank; `AG`/`RS MiB/step`, all-gather and reduce-scatter
-bytes this rank sends; `conv AG ratio`, the all-gather bytes of the float8-converted weights
-over their bf16 bytes (the other parameters' bytes are computed from their shapes by
-`all_gather_plan` and subtracted; bf16 must read 1.000); `AG/RS/AR per step`, collectives
-by kind as `CollectiveCounter` sees them; `scale ARs: init/first/step`, the all-reduces the
-backend ran (profiler `gloo:*`/`nccl:*` events, less the reduce-scatters that gloo runs as
-all-reduces) in the precompute before the first forward, the first step, and a steady
-step: unlike `CollectiveCounter` these also see the collectives that DTensor issues inside
-its own ops (torchao's precompute); `peak MiB`, the probed step's peak above what was live
-when it began (`StepProbe`: CUDA `max_memory_allocated`, CPU the profiler's allocation
-events), largest rank; `host reads`, `aten._local_scalar_dense` per step (`.item()`,
-`bool(tensor)`: on a GPU each is a sync; bf16's are the optimizer's own); the final loss.
-Counts come from one extra probed step, kept out of the timed ones (the counters slow
-every op). On the CPU torchao runs with `emulate=True` (see `_convert`), so its step time
-is not comparable there; its bytes and collectives are.
-
-Each config runs on its own process group, so one that fails (e.g. gloo rejecting a
-float8 all-gather) is reported in the table and the next one still runs.
+Table columns: the slowest rank's median step; all-gather and reduce-scatter MiB per step;
+`conv AG ratio`, the converted weights' all-gather bytes over their bf16 bytes (the other
+parameters' bytes, known from their shapes, are subtracted: bf16 reads 1.000); collectives
+per step by kind (`CollectiveCounter`); the scale all-reduces the backend ran before the first
+forward, in the first step and in a steady step (profiler events, which also see DTensor's own
+collectives); the probed step's peak memory above what was live before it; host reads
+(`.item()` and the like: each a sync on a GPU); the final loss. Counts come from one extra
+probed step outside the timed ones. Each config runs on its own process group, so one that
+fails is reported in the table and the next one still runs.
 """
 
 from __future__ import annotations
@@ -57,7 +41,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_float8 import (
     CastConfig,
@@ -66,16 +49,18 @@ from fsdp_float8 import (
 )
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from scripts.bench_common import (
+    HostReads,
     StepProbe,
     environment,
     fmt,
+    markdown_table,
     parse_choices,
     resolve_device,
     short_error,
     synchronize,
     write_json,
 )
-from scripts.bench_fsdp_report import KINDS, combine, table
+from scripts.float8_flags import float8_filter
 from scripts.model import Transformer, model_args
 from scripts.rank_exit import enable_crash_traces, exit_rank
 
@@ -96,25 +81,9 @@ PRESETS = {  # model and batch per preset: dim, n_layers, n_heads, n_kv_heads, s
 }
 
 
-class HostReads(TorchDispatchMode):
-    """Counts `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `float(t)` run): `count`
-    all of them, `device_count` those of a non-CPU tensor (each a device sync). On a CPU run
-    every read is a CPU read; compare configs against bf16 (the optimizer's own reads)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.device_count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-            self.device_count += args[0].device.type != "cpu"
-        return func(*args, **(kwargs or {}))
-
-
-def float8_filter(module: nn.Module, fqn: str) -> bool:
-    return fqn != "output" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+OPERANDS = ("input", "weight", "grad_output")
+FLOAT8_FILTER = float8_filter([])  # the trainer's: block linears with dims divisible by 16
 
 
 @dataclass
@@ -132,13 +101,8 @@ def _float8_config(name: str) -> Float8LinearConfig:
     if name == "float8_bf16_ag":
         return Float8LinearConfig.from_recipe_name("tensorwise")
     if name == "delayed":
-        d = CastConfig(scaling_type="delayed")
-        return Float8LinearConfig(
-            cast_config_input=d,
-            cast_config_weight=d,
-            cast_config_grad_output=d,
-            enable_fsdp_float8_all_gather=True,
-        )
+        delayed = {f"cast_config_{op}": CastConfig(scaling_type="delayed") for op in OPERANDS}
+        return Float8LinearConfig(**delayed, enable_fsdp_float8_all_gather=True)
     return Float8LinearConfig.from_recipe_name(
         "tensorwise",
         enable_fsdp_float8_all_gather=True,
@@ -160,9 +124,9 @@ def _convert(name: str, model: nn.Module, device: torch.device):
         config = ao.Float8LinearConfig(
             enable_fsdp_float8_all_gather=True, emulate=device.type == "cpu"
         )
-        ao.convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
+        ao.convert_to_float8_training(model, config=config, module_filter_fn=FLOAT8_FILTER)
         return ao.precompute_float8_dynamic_scale_for_fsdp, True
-    convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=float8_filter)
+    convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=FLOAT8_FILTER)
     if name == "float8_ag":  # the per-weight fallback, for comparison
         model._float8_refresh_hook.remove()
     return None, False
@@ -176,7 +140,7 @@ def all_gather_plan(model: nn.Module, world: int) -> dict:
     converted = {
         f"{fqn}.weight"
         for fqn, m in model.named_modules()
-        if isinstance(m, nn.Linear) and float8_filter(m, fqn)
+        if isinstance(m, nn.Linear) and FLOAT8_FILTER(m, fqn)
     }
     conv_elems, rest_bytes = 0, 0
     for name, p in model.named_parameters():
@@ -312,6 +276,48 @@ def run_config(name: str, args, rank: int, world: int, device: torch.device) -> 
     return result
 
 
+def combine(per_rank: list[dict], tokens_per_step: int) -> dict:
+    """Rank 0's counts; the slowest rank's time; the largest rank's memory; any error."""
+    errors = [f"rank {i}: {r['error']}" for i, r in enumerate(per_rank) if r["error"]]
+    if errors:
+        return {"config": per_rank[0]["config"], "error": errors[0], "errors": errors}
+    out = dict(per_rank[0])
+    out["step_ms_median"] = max(r["step_ms_median"] for r in per_rank)
+    out["tokens_per_s"] = tokens_per_step / (out["step_ms_median"] * 1e-3)
+    mems = [r["peak_mem_mib"] for r in per_rank if r["peak_mem_mib"] is not None]
+    out["peak_mem_mib"] = max(mems) if mems else None
+    ag_bytes = out["per_step"]["all_gather_bytes"]
+    if ag_bytes and out["converted_elems"]:  # (FSDP2 may skip all-gathers on one rank)
+        out["converted_ag_bytes"] = ag_bytes - out["other_bytes"]
+        per_elem = out["converted_ag_bytes"] / out["converted_elems"]
+        out["converted_ag_bytes_per_elem"] = per_elem
+        out["converted_ag_ratio_vs_bf16_bytes"] = per_elem / 2
+    out["final_loss"] = statistics.fmean(r["losses"][-1] for r in per_rank)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    headers = ["config", "step ms", "AG MiB/step", "conv AG ratio", "RS MiB/step"]
+    headers += ["AG/RS/AR per step", "scale ARs: init/first/step", "peak MiB", "host reads"]
+    headers += ["final loss", "error"]
+    rows = []
+    for r in results:
+        if "per_step" not in r:
+            rows.append([r["config"]] + ["-"] * (len(headers) - 2) + [r["error"] or ""])
+            continue
+        s = r["per_step"]
+        kinds = "/".join(str(s[f"{k}_count"]) for k in KINDS)
+        scale_ars = "/".join(
+            str(r[k]["scale_all_reduces"]) for k in ("init", "first_step", "per_step")
+        )
+        mib = [fmt(s[f"{k}_bytes"] / 2**20, ".3f") for k in ("all_gather", "reduce_scatter")]
+        ratio = fmt(r.get("converted_ag_ratio_vs_bf16_bytes"), ".3f")
+        rows.append([r["config"], fmt(r["step_ms_median"], ".1f"), mib[0], ratio, mib[1], kinds])
+        rows[-1] += [scale_ars, fmt(r["peak_mem_mib"], ".1f"), str(r["host_reads_per_step"])]
+        rows[-1] += [fmt(r["final_loss"], ".4f"), r["error"] or ""]
+    return markdown_table(headers, rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
@@ -336,15 +342,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def torchao_status() -> str | None:
-    """None when torchao's float8 imports, else why not."""
-    try:
-        import torchao.float8  # noqa: F401
-    except Exception as exc:
-        return short_error(exc)
-    return None
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -354,7 +351,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ao_error = torchao_status() if "torchao_float8_ag_precompute" in args.configs else None
+    ao_error = None
+    if "torchao_float8_ag_precompute" in args.configs:
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception as exc:
+            ao_error = short_error(exc)
     results = []
     for name in args.configs:
         if name.startswith("torchao") and ao_error:

@@ -199,14 +199,14 @@ def bench_shape(shape: Shape, args, device, peaks) -> list[dict]:
                 row["bf16_split"], row["float8_split"] = ref.get("split"), res.get("split")
             if peaks:
                 row["bf16_pct_peak"] = _pct(row["bf16_tflops"], peaks["bf16"])
-                row["float8_pct_peak"] = _pct(row["float8_tflops"], peaks["fp8"])
+                row["float8_pct_peak"] = _pct(row["float8_tflops"], peaks.get("fp8"))
             rows.append(row)
             print(_progress(row), flush=True)
     return rows
 
 
-def _pct(tflops: float | None, peak: float) -> float | None:
-    return 100 * tflops / peak if tflops is not None else None
+def _pct(tflops: float | None, peak: float | None) -> float | None:
+    return 100 * tflops / peak if tflops is not None and peak else None
 
 
 def _progress(row: dict) -> str:

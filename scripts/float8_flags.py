@@ -50,14 +50,7 @@ def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
     try:
         return Float8LinearConfig.from_recipe_name(args.recipe, **overrides)
     except ValueError as err:
-        hint = ""
-        if all_gather and args.recipe != "tensorwise":
-            hint = (
-                f"\nfloat8 all-gather is not supported with --recipe {args.recipe} yet "
-                "(rowwise weights are scaled per row along the dim FSDP shards); "
-                "drop --fp8-all-gather"
-            )
-        raise SystemExit(f"float8 config refused: {err}{hint}") from None
+        raise SystemExit(f"float8 config refused: {err}") from None
 
 
 def _cast_overrides(args: argparse.Namespace) -> dict:

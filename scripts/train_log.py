@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fsdp_float8.tools.comm_stats import CollectiveCounter
+from scripts.bench_common import peak_tflops
 
 STEP_FIELDS = (
     "step",  # 1-based, the optimizer steps done
@@ -36,9 +37,6 @@ STEP_FIELDS = (
     "peak_memory_bytes",  # rank 0: CUDA max_memory_allocated, or the process's max RSS
     "mfu",  # CUDA only: model FLOPs utilization against the bf16 dense peak
 )
-
-# bf16 dense peak FLOP/s per GPU, matched against torch.cuda.get_device_name()
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12}
 
 
 class MetricsFile:
@@ -90,10 +88,8 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     """Per-device bf16 dense peak for MFU; None on CPU or an unknown GPU."""
     if override_tflops:
         return override_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    peaks = peak_tflops(device)  # None on CPU
+    return peaks["bf16"] * 1e12 if peaks else None
 
 
 def fmt_duration(seconds: float) -> str:
