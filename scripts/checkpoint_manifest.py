@@ -51,7 +51,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any) -> list[Any]:
     rank, world = _rank_world()
     if world == 1:
         return [obj]
@@ -60,7 +60,7 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def _broadcast_from_0(obj: Any) -> Any:
+def broadcast_from_0(obj: Any) -> Any:
     if _rank_world()[1] == 1:
         return obj
     box = [obj]
@@ -79,10 +79,10 @@ def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> dict[s
     ``manifest.json``. Returns the manifest."""
     path = Path(path)
     rank, world = _rank_world()
-    names = _broadcast_from_0(_checkpoint_files(path) if rank == 0 else None)
+    names = broadcast_from_0(_checkpoint_files(path) if rank == 0 else None)
     mine = {n: _entry(path / n) for n in names[rank::world]}
     files: dict[str, Any] = {}
-    for part in _all_gather(mine):
+    for part in all_gather_object(mine):
         files.update(part)
     manifest = {
         "format": FORMAT,
@@ -135,10 +135,10 @@ def verify(path: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
     path = Path(path)
     rank, world = _rank_world()
     manifest, why = read_manifest(path) if rank == 0 else (None, None)
-    manifest, why = _broadcast_from_0((manifest, why))
+    manifest, why = broadcast_from_0((manifest, why))
     if manifest is None:
         return None, [Problem(MANIFEST, why)]
     names = sorted(manifest["files"])
     mine = [_check(path, n, manifest["files"][n]) for n in names[rank::world]]
-    found = [p for part in _all_gather([p for p in mine if p is not None]) for p in part]
+    found = [p for part in all_gather_object([p for p in mine if p is not None]) for p in part]
     return manifest, sorted(found)

@@ -8,7 +8,8 @@ configuration; flags it does not know are passed on to every training run):
     python -m scripts.compare --nproc 8 --device cuda --preset small --steps 2000
 
 Each configuration trains into ``OUT/NAME/`` (a finished run with the same flags is reused;
-``--rerun`` trains again). Writes ``OUT/compare.md`` (final train and validation loss, the
+``--rerun`` trains again; an earlier run in the way is renamed ``NAME.previous``, never
+deleted, since it may hold checkpoints). Writes ``OUT/compare.md`` (final train and validation loss, the
 validation gap to bf16, tokens/s, all-gather bytes per step, peak memory) and
 ``OUT/loss_curves.png`` (needs matplotlib: ``pip install -e '.[plot]'``).
 """
@@ -17,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from scripts.checkpoint import aside_name
 from scripts.train_log import fmt_bytes, read_metrics
 
 CONFIGS: dict[str, list[str]] = {
@@ -84,7 +85,10 @@ def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> di
     if finished and not args.rerun and json.loads(stamp.read_text()) == command[1:]:
         print(f"== {name}: reusing the finished run in {out}", flush=True)
     else:
-        shutil.rmtree(out, ignore_errors=True)
+        if out.exists():  # another command's run, or an unfinished one: kept, renamed
+            old = aside_name(out, "previous")
+            out.rename(old)
+            print(f"== {name}: the earlier run in {out} is kept as {old}", flush=True)
         out.mkdir(parents=True)
         print(f"== {name}: {' '.join(command)}", flush=True)
         result = subprocess.run(command)

@@ -18,6 +18,8 @@ per-layer state would not match.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from scripts.float8_flags import default_all_gather, parse_static_scales
@@ -57,6 +59,19 @@ def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
         "global_batch": args.global_batch,
         "seed": args.seed,
     }
+
+
+def saved_settings_from_run_json(run_json: Path) -> dict[str, Any] | None:
+    """The settings of the run recorded in ``run_json`` (its flags over today's defaults),
+    for a checkpoint without a manifest; None when the file is missing or unreadable."""
+    from scripts.train_args import build_parser  # train_args imports this module's peers
+
+    try:
+        recorded = json.loads(Path(run_json).read_text())["args"]
+        flags = vars(build_parser().parse_args([])) | dict(recorded)
+        return checkpoint_settings(argparse.Namespace(**flags))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SystemExit):
+        return None
 
 
 _MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")

@@ -46,6 +46,7 @@ from fsdp_float8 import (
 )
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from fsdp_float8.tools.telemetry import append_jsonl
+from scripts import run_lock
 from scripts.checkpoint import (
     Checkpointer,
     ModelOptimizerState,
@@ -53,6 +54,7 @@ from scripts.checkpoint import (
     RNGState,
     SchedulerState,
 )
+from scripts.checkpoint_manifest import broadcast_from_0
 from scripts.data import (
     TokenBatcher,
     TokenData,
@@ -108,6 +110,7 @@ class Trainer:
         self.settings = checkpoint_settings(args)
         # verified and compared before the model is built: a refusal costs no build
         self.resume_point: ResumePoint | None = find_resume(args, self.ckpt, self.settings)
+        self.ckpt.check_space(None)  # room for a checkpoint like the last one, or stop now
         self.model, self.report = build_model(args, d, config)
         self.optimizer = build_optimizer(self.model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
@@ -272,6 +275,11 @@ class Trainer:
         start = self.resume()
         self.header(start)
         metrics = MetricsFile(self.out / "metrics.jsonl", enabled=self.d.is_main, resume_step=start)
+        if metrics.dropped:
+            self.say(
+                f"note: {metrics.dropped} line(s) of {metrics.path} after step {start} moved "
+                f"to {metrics.dropped_path} (this run trains those steps again)"
+            )
         if start >= self.args.steps:
             self.say(f"nothing to do: the run in {self.out} is at step {start}/{self.args.steps}")
             return self.finish(start)
@@ -365,7 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = float8_config(args)  # refuse bad flag combinations before starting anything
     d = init_distributed(args.device, args.hsdp_replicate, tp=args.tp, timeout_s=args.pg_timeout_s)
+    locked = False
     try:
+        why = run_lock.acquire(Path(args.out)) if d.is_main else None
+        locked = d.is_main and why is None
+        why = broadcast_from_0(why)
+        if why is not None:  # every rank stops, naming the job that holds --out
+            raise SystemExit(why)
         return Trainer(args, config, d).run()
     except RuntimeError as err:
         message = collective_failure_message(err, d.rank, args.pg_timeout_s)
@@ -373,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         raise SystemExit(message) from None
     finally:
+        if locked:
+            run_lock.release(Path(args.out))
         dist.destroy_process_group()
 
 

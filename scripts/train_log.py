@@ -2,7 +2,8 @@
 
 - ``MetricsFile``: ``OUT/metrics.jsonl``, one JSON object per training step (see
   ``STEP_FIELDS``); a step that ran validation also carries ``val_loss``. On resume the
-  lines after the resumed step are dropped, so the file always holds each step once.
+  lines after the resumed step (all of them on a fresh start) move to
+  ``metrics.dropped.jsonl`` (appended, never lost), so the file holds each step once.
 - ``Progress``: one live line per step on a terminal (``\\r``), otherwise a line every
   ``log_every`` steps, so that log files stay readable.
 - ``summary``/``format_summary``: the end-of-run table, also written to ``summary.json``.
@@ -43,20 +44,41 @@ class MetricsFile:
     def __init__(self, path: Path, *, enabled: bool, resume_step: int) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self.dropped = 0  # lines moved to the dropped file (steps this run trains again)
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if resume_step > 0 and self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step:
-                    kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        if not self.path.exists():
+            self.path.write_text("")
+            return
+        kept, dropped = [], []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                ok = resume_step > 0 and _step_of(line) <= resume_step
+                (kept if ok else dropped).append(line)
+        if dropped:  # first the copy, then the rewrite: a crash in between loses nothing
+            with self.dropped_path.open("a") as f:
+                f.write("".join(line + "\n" for line in dropped))
+        self.dropped = len(dropped)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(self.path)
+
+    @property
+    def dropped_path(self) -> Path:
+        return self.path.with_name(self.path.stem + ".dropped.jsonl")
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 1 << 62  # unreadable: never kept as a resumed step, moved with the dropped
 
 
 def comm_fields(counter: CollectiveCounter | None) -> dict[str, int | None]:

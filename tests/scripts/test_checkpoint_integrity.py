@@ -216,8 +216,9 @@ def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
     assert "no intact checkpoint under" in stop and "__1_0.distcp: missing" in stop
     assert "another --out" in stop and r["none_intact"]["unchanged"]
 
-    # a save that stopped before its manifest: a fresh start, but said, and nothing deleted
+    # DCP's files all there but no manifest (a lost manifest, or a run from before
+    # manifests): in doubt, so the run stops and names it; nothing deleted
     out = r["only_unfinished"]
     unfinished = root / "only_unfinished" / "checkpoints" / "step_00000001"
-    assert out["step"] is None and out["unchanged"]
-    assert f"note: {unfinished} has DCP files but no {MANIFEST}" in out["stderr"]
+    assert "checkpoint folders in doubt" in out["stopped"] and out["unchanged"]
+    assert f"--resume {unfinished}" in out["stopped"]

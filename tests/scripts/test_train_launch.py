@@ -164,3 +164,32 @@ def test_hung_collective_ends_with_a_message(tmp_path: Path) -> None:
         said = (f"rank {rank}: {timed_out}", f"rank {rank}: a collective failed because another")
         assert any(text in result.stderr for text in said), output_of(result)
     assert 'scripts/train.py", line' not in result.stderr, output_of(result)  # no traceback
+
+
+def test_checkpoints_without_manifest_are_kept_and_resumable(fp8_run: Path, tmp_path: Path) -> None:
+    """A run whose checkpoints have DCP files but no manifest.json (saved before manifests
+    existed): rerunning it used to start again at step 0 with exit code 0, truncate
+    metrics.jsonl and delete each old step_N at the next save. Now the run stops and names
+    the folder, changing nothing; ``--resume`` of it (the remedy it gives) continues from
+    step 8 with its settings read from run.json, and both old checkpoints are kept."""
+    out = tmp_path / "legacy"
+    shutil.copytree(fp8_run, out)
+    for step in (4, 8):
+        (out / "checkpoints" / f"step_{step:08d}" / "manifest.json").unlink()
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    result = train(out, *FP8_ARGS, "--steps", "10")
+    assert result.returncode != 0, output_of(result)
+    legacy = out / "checkpoints" / "step_00000008"
+    assert "checkpoint folders in doubt" in result.stderr, output_of(result)
+    assert f"--resume {legacy}" in result.stderr
+    assert 'scripts/train.py", line' not in result.stderr, output_of(result)  # no traceback
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+    result = train(out, *FP8_ARGS, "--steps", "10", "--resume", str(legacy))
+    assert result.returncode == 0, output_of(result)
+    assert f"resuming from {legacy}, which has no manifest.json" in result.stderr
+    assert "resumed from" in result.stdout and "at step 8" in result.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, 11))
+    for old, data in before.items():  # every old checkpoint file kept, byte for byte
+        if "checkpoints" in old.parts:
+            assert old.read_bytes() == data, old
