@@ -72,8 +72,27 @@ def train_command(name: str, args: argparse.Namespace, train_args: list[str]) ->
         str(Path(args.out) / name),
         "--log-every",
         str(max(1, args.steps // 10)),
-        *train_args,
+        *(_without_float8_flags(train_args) if "off" in CONFIGS[name] else train_args),
     ]
+
+
+# float8-only flags of scripts.train (a --recipe off run refuses them as ignored)
+_FLOAT8_VALUE_FLAGS = ("--scaling", "--static-scales", "--delayed-history", "--float8-skip")
+_FLOAT8_BARE_FLAGS = ("--fp8-all-gather", "--no-fp8-all-gather", "--emulate", "--no-precompute")
+
+
+def _without_float8_flags(train_args: list[str]) -> list[str]:
+    """The flags passed on to every run, less those that act only on float8 layers."""
+    kept, skip_next = [], False
+    for arg in train_args:
+        name = arg.partition("=")[0]
+        if skip_next:
+            skip_next = False
+        elif name in _FLOAT8_VALUE_FLAGS + ("--numerics-every",):
+            skip_next = "=" not in arg
+        elif arg not in _FLOAT8_BARE_FLAGS:
+            kept.append(arg)
+    return kept
 
 
 def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> dict:

@@ -13,9 +13,10 @@ Mental model:
   library (``sysconfig.get_paths()["stdlib"]``, ``site-packages``/``dist-packages``
   excluded), sorted by relative path and concatenated as bytes; a text file (its bytes,
   memory-mapped as uint8); a folder of text files (recursive, sorted by relative path); or a
-  pre-tokenized ``.bin`` file, a flat uint16/uint32 array whose dtype comes from the
-  ``token_dtype`` argument or the suffix ``.u16.bin`` / ``.u32.bin``. Byte-level means the
-  token id is the byte value (vocab 256). Concatenated corpora are cached as a flat uint16
+  pre-tokenized ``.bin`` file (or any file with ``token_dtype``), a flat uint16/uint32
+  array whose dtype comes from the ``token_dtype`` argument or the suffix ``.u16.bin`` /
+  ``.u32.bin``. A text file holding NUL bytes is refused (a token file named otherwise).
+  Byte-level means the token id is the byte value (vocab 256). Concatenated corpora are cached as a flat uint16
   ``.u16.bin`` under ``~/.cache/fsdp_float8/`` (or ``cache_dir``), named by a fingerprint of
   the file list and sizes; the file is written to a temporary name and renamed, so ranks
   that build it at the same time do not see partial files.
@@ -170,9 +171,24 @@ def _load_source(
         name = f"dir-{data.resolve().name}-{_fingerprint(data, files)}.u16.bin"
         path = build_token_cache(data, files, cache_dir / name)
         return _memmap(path, np.dtype(np.uint16)), f"folder {data}", BYTE_VOCAB_SIZE
-    if data.name.endswith(".bin"):
+    if data.name.endswith(".bin") or token_dtype is not None:
         return _memmap(data, _token_file_dtype(data, token_dtype)), f"tokens {data}", None
+    _refuse_binary(data)
     return _memmap(data, np.dtype(np.uint8)), f"text {data}", BYTE_VOCAB_SIZE
+
+
+def _refuse_binary(path: Path, probe: int = 1 << 20) -> None:
+    """A text file has no NUL bytes; a token file (uint16/uint32 ids below 256 have zero
+    high bytes) almost always has them. Read as text it would train on its raw bytes."""
+    with open(path, "rb") as f:
+        head = f.read(probe)
+    at = head.find(b"\0")
+    if at >= 0:
+        raise ValueError(
+            f"--data {path} holds NUL bytes (the first at byte {at}): it looks like a binary "
+            "token file, which would train as text here. Name it *.u16.bin or *.u32.bin, or "
+            "pass --token-dtype uint16/uint32; a text file must have no NUL bytes"
+        )
 
 
 def load_tokens(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import math
 
 from torch import nn
 
@@ -66,16 +67,28 @@ def _cast_overrides(args: argparse.Namespace) -> dict:
 
 
 def parse_static_scales(text: str | None) -> dict[str, float]:
-    """``"input=64,weight=2048"`` -> scales per operand, defaults for the rest."""
+    """``"input=64,weight=2048"`` -> scales per operand, defaults for the rest. Raises
+    ``ValueError`` naming the item for a bad name or a value that is not a finite number
+    > 0."""
     scales = dict(DEFAULT_STATIC_SCALES)
+    example = "e.g. input=64,weight=2048,grad_output=1048576"
     for item in filter(None, (text or "").split(",")):
         name, _, value = item.partition("=")
         if name.strip() not in scales or not value:
-            raise SystemExit(
+            raise ValueError(
                 f"--static-scales item {item!r}; expected NAME=VALUE with NAME in "
-                f"{sorted(scales)}, e.g. input=64,weight=2048,grad_output=1048576"
+                f"{sorted(scales)}, {example}"
             )
-        scales[name.strip()] = float(value)
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not (math.isfinite(number) and number > 0):
+            raise ValueError(
+                f"--static-scales item {item!r}: {value!r} is not a finite number > 0 (a "
+                f"scale multiplies values into float8 range: about 448 / their amax); {example}"
+            )
+        scales[name.strip()] = number
     return scales
 
 

@@ -64,12 +64,13 @@ def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
 def saved_settings_from_run_json(run_json: Path) -> dict[str, Any] | None:
     """The settings of the run recorded in ``run_json`` (its flags over today's defaults),
     for a checkpoint without a manifest; None when the file is missing or unreadable."""
-    from scripts.train_args import build_parser  # train_args imports this module's peers
+    from scripts.train_args import build_parser, resolve_defaults  # imports this one's peers
 
     try:
         recorded = json.loads(Path(run_json).read_text())["args"]
-        flags = vars(build_parser().parse_args([])) | dict(recorded)
-        return checkpoint_settings(argparse.Namespace(**flags))
+        flags = argparse.Namespace(**(vars(build_parser().parse_args([])) | dict(recorded)))
+        resolve_defaults(flags)
+        return checkpoint_settings(flags)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, SystemExit):
         return None
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from scripts.data import add_data_args
+from scripts.flag_checks import flag_problems
 from scripts.float8_flags import RECIPES, SCALINGS
 from scripts.model import PRESETS
 from scripts.process_group import DEFAULT_TIMEOUT_S
@@ -45,6 +46,7 @@ def number(kind: type, low: float, *, above: bool = False, high: float | None = 
     return parse
 
 
+DEFAULT_DELAYED_HISTORY = 16
 POS_INT = number(int, 1)
 NONNEG_INT = number(int, 0)
 POS_FLOAT = number(float, 0, above=True)
@@ -100,7 +102,12 @@ def _float8_args(g) -> None:
         "all-gather's weight scales (--no-precompute removes it for dynamic scaling: each "
         "weight all-reduces its own amax)",
     )
-    g.add_argument("--delayed-history", type=POS_INT, default=16, help="amax history length")
+    g.add_argument(
+        "--delayed-history",
+        type=POS_INT,
+        default=None,
+        help=f"amax history length (--scaling delayed; default {DEFAULT_DELAYED_HISTORY})",
+    )
     g.add_argument(
         "--static-scales",
         default=None,
@@ -226,6 +233,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
+    problems = flag_problems(args)
+    if problems:
+        parser.error("\n".join(problems))
+    resolve_defaults(args)
     problem = tp_problem(args)
     if problem is not None:
         parser.error(f"argument --tp: {problem}")
@@ -233,6 +244,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problem is not None:
         parser.error(f"argument --out: {problem}; choose a folder you can write to")
     return args
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Defaults that are None at parse time so that a flag given in vain can be told from
+    one not given (``scripts/flag_checks.py``)."""
+    if args.delayed_history is None:
+        args.delayed_history = DEFAULT_DELAYED_HISTORY
 
 
 def tp_problem(args: argparse.Namespace) -> str | None:

@@ -49,7 +49,7 @@ def test_scaling_flags() -> None:
     assert static.cast_config_weight.static_scale == 2048.0
     with pytest.raises(SystemExit, match="tensorwise only"):
         float8_config(parse_args(["--recipe", "rowwise", "--scaling", "delayed"]))
-    with pytest.raises(SystemExit, match="NAME=VALUE"):
+    with pytest.raises(ValueError, match="NAME=VALUE"):
         parse_static_scales("bias=3")
 
 
