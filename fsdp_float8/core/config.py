@@ -377,6 +377,11 @@ class Float8LinearConfig:
         """False when every cast is disabled (all three GEMMs in high precision)."""
         return any(self.cast(op, g).enabled for (op, g) in _OPERAND_FIELD)
 
+    def uses_block_scales(self) -> bool:
+        """True when any operand of any GEMM is cast with block scales (blockwise, mxfp8),
+        which refuse pad_inner_dim."""
+        return any(self.cast(op, g).block_shape is not None for (op, g) in _OPERAND_FIELD)
+
     def scaling_types(self) -> set[ScalingType]:
         return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}
 

@@ -71,7 +71,12 @@ def skip_reason(module: nn.Module, config: Float8LinearConfig) -> str | None:
         return str(e)
     dims = _weight_dims(module, layout)
     if not config.pad_inner_dim and any(d % 16 for d in dims):
-        return f"expert dims {dims} not multiples of 16 (set pad_inner_dim=True to pad)"
+        hint = (
+            "block recipes cannot pad"
+            if config.uses_block_scales()
+            else "set pad_inner_dim=True to pad"
+        )
+        return f"expert dims {dims} not multiples of 16 ({hint})"
     return None
 
 

@@ -161,10 +161,12 @@ def _skip_reason(child, fqn, config, module_filter_fn) -> str | None:
     if module_filter_fn is not None:
         return None if module_filter_fn(child, fqn) else "rejected by module_filter_fn"
     if not config.pad_inner_dim and not dims_divisible_by_16(child, fqn):
-        return (
-            f"dims ({child.in_features}, {child.out_features}) not multiples of 16 "
-            "(set pad_inner_dim=True to pad)"
+        hint = (
+            "block recipes cannot pad"
+            if config.uses_block_scales()
+            else "set pad_inner_dim=True to pad"
         )
+        return f"dims ({child.in_features}, {child.out_features}) not multiples of 16 ({hint})"
     return None
 
 

@@ -140,10 +140,13 @@ def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastP
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
     if config.pad_inner_dim or (in_features % 16 == 0 and out_features % 16 == 0):
         return
+    remedy = "set Float8LinearConfig(pad_inner_dim=True) or keep"
+    if config.uses_block_scales():  # block recipes refuse pad_inner_dim (config_blocks)
+        remedy = "block-scaled recipes cannot pad (pad_inner_dim is refused with them): keep"
     raise ValueError(
         f"Float8Linear({in_features}, {out_features}): float8 GEMMs contract over both dims, "
-        "which must be multiples of 16; set Float8LinearConfig(pad_inner_dim=True) or keep "
-        "this layer in high precision (the default module filter skips it)"
+        f"which must be multiples of 16; {remedy} this layer in high precision (the default "
+        "module filter skips it), or use dims that are multiples of 16"
     )
 
 

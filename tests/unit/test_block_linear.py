@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from fsdp_float8 import (
     CastConfig,
+    Float8Linear,
     Float8LinearConfig,
     Float8Tensor,
     Gemm,
     Operand,
     _auto_filter_for_recipe,
+    convert_to_float8_training,
     sqnr_db,
 )
 from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, dequantize_blocks
@@ -259,3 +262,16 @@ def test_telemetry_of_a_float8_gathered_block_weight(tmp_path) -> None:
     )
     assert weights[1]["underflow"] == pytest.approx(underflow_fraction(hp, full, E4M3).item())
     assert weights[1]["underflow"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_odd_dims_remedy_is_not_pad_inner_dim_for_block_recipes(recipe: str) -> None:
+    """Float8Linear(40, 72) used to say "set pad_inner_dim=True", which block recipes
+    refuse (a remedy that loops); the conversion report said the same."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    with pytest.raises(ValueError, match="Float8Linear\\(40, 72\\)") as info:
+        Float8Linear(40, 72, config=config)
+    assert "pad_inner_dim=True" not in str(info.value)
+    assert "block-scaled recipes cannot pad" in str(info.value)
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(40, 72)), config=config)
+    assert model.float8_conversion_report.skipped["0"].endswith("(block recipes cannot pad)")
