@@ -97,3 +97,50 @@ def _skip_problems(args: argparse.Namespace) -> list[str]:
                 "'blocks.0.*', '*.feed_forward.w2'), or drop it"
             )
     return problems
+
+
+def block_all_gather_problem(
+    args: argparse.Namespace, config, shards: int, *, resuming: bool
+) -> str | None:
+    """With a block recipe and float8 all-gather, every converted weight's dim-0 shard must
+    be whole blocks on ``shards`` shards (``check_block_shards``: the library refuses it
+    at the first all-gather, naming no layer). Decided here, before any process group,
+    naming each layer and the flags that run instead (None: every layer fits)."""
+    if config is None or not config.enable_fsdp_float8_all_gather or shards == 1:
+        return None
+    if not config.uses_block_scales():
+        return None
+    from fsdp_float8 import Gemm, Operand
+    from scripts.float8_flags import float8_filter
+    from scripts.sharded_model import Transformer, build_args
+
+    rows = config.cast(Operand.WEIGHT, Gemm.OUTPUT).block_shape[0]
+    accept = float8_filter(args.float8_skip)
+    with torch.device("meta"):
+        model = Transformer(build_args(args))
+    layers = [
+        (fqn, m.out_features)
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and accept(m, fqn)
+    ]
+    misfits = [(fqn, n) for fqn, n in layers if n % shards or (n // shards) % rows]
+    if not misfits:
+        return None
+    named = ", ".join(f"{fqn} ({n} rows)" for fqn, n in misfits[:6])
+    named += ", ..." if len(misfits) > 6 else ""
+    globs = sorted({"*." + fqn.split(".", 2)[-1] for fqn, _ in misfits})
+    skip = " ".join(f"--float8-skip '{g}'" for g in globs)
+    default = " (on by default for this recipe)" if args.fp8_all_gather is None else ""
+    resume = (
+        " --out holds checkpoints: add --allow-recipe-change to resume with either flag."
+        if resuming
+        else ""
+    )
+    return (
+        f"--recipe {args.recipe} with float8 all-gather{default} on {shards} shards: each "
+        f"shard of a weight must hold whole {rows}-row blocks (out_features divisible by "
+        f"{shards * rows}), and {len(misfits)} of the {len(layers)} converted layers do not: "
+        f"{named}. Use --no-fp8-all-gather (weights gathered in high precision, cast after), "
+        f"or keep those layers in high precision with {skip}, or a world size on which they "
+        f"split into whole blocks (one shard takes any size).{resume}"
+    )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -62,6 +63,7 @@ from scripts.data import (
     check_token_ids,
     load_tokens_from_args,
 )
+from scripts.flag_checks import block_all_gather_problem
 from scripts.float8_flags import describe, float8_config
 from scripts.model import flops_per_token, num_params
 from scripts.moe import moe_aux_loss, moe_fields
@@ -372,6 +374,12 @@ def load_data(args: argparse.Namespace) -> TokenData:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = float8_config(args)  # refuse bad flag combinations before starting anything
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shards = max(1, world // (args.hsdp_replicate * args.tp))  # what fully_shard shards over
+    resuming = bool(Checkpointer(Path(args.out) / "checkpoints", keep=1, is_main=False).complete())
+    problem = block_all_gather_problem(args, config, shards, resuming=resuming)
+    if problem is not None:  # every rank decides alike, before any process group
+        raise SystemExit(problem)
     d = init_distributed(args.device, args.hsdp_replicate, tp=args.tp, timeout_s=args.pg_timeout_s)
     locked = False
     try:

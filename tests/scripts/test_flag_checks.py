@@ -79,3 +79,37 @@ def test_compare_passes_float8_flags_to_float8_runs_only() -> None:
     assert extra == ["--float8-skip", "*.w2"]
     assert "--float8-skip" not in compare.train_command("bf16", args, extra)
     assert compare.train_command("tensorwise", args, extra)[-2:] == ["--float8-skip", "*.w2"]
+
+
+def test_block_all_gather_misfits_are_named_before_training(tmp_path: Path, monkeypatch) -> None:
+    """--recipe mxfp8 (float8 all-gather by default) on 2 ranks with 32-row wk/wv used to
+    fail at step 1 on every rank with a ValueError naming no layer and API remedies (also
+    when resuming a 1-rank run on 2 ranks). Now main() stops before any process group,
+    naming each layer and the flags that run."""
+    import torch.distributed as dist
+
+    from scripts import train
+    from tests.scripts.launch import TINY
+
+    out = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        train.main([*TINY, "--recipe", "mxfp8", "--out", str(out)])
+    message = str(info.value)
+    assert not dist.is_initialized()
+    assert (
+        "--recipe mxfp8 with float8 all-gather (on by default for this recipe) on 2 shards"
+        in message
+    )
+    assert "whole 32-row blocks (out_features divisible by 64)" in message, message
+    assert "blocks.0.attention.wk (32 rows)" in message
+    assert "--no-fp8-all-gather" in message and "--float8-skip '*.attention.wv'" in message
+    assert "--allow-recipe-change" not in message
+    (out / "checkpoints" / "step_00000002").mkdir(parents=True)  # a 1-rank run's checkpoint
+    (out / "checkpoints" / "step_00000002" / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit, match="add --allow-recipe-change to resume"):
+        train.main([*TINY, "--recipe", "mxfp8", "--out", str(out)])
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one shard takes any rows: no refusal
+    args = train.parse_args([*TINY, "--recipe", "mxfp8", "--out", str(out)])
+    config = train.float8_config(args)
+    assert train.block_all_gather_problem(args, config, 1, resuming=False) is None
