@@ -10,6 +10,10 @@ both of its GEMMs, so the cast must be the consumers' own: tensorwise, shared by
 and grad_weight GEMMs, in `float8_dtype`; anything else is refused at `parallelize_module`
 time with the remedy (`PrepareModuleInput` gathers in high precision).
 
+A sequence length the TP degree does not divide is gathered as DTensor shards it (the
+first shards one token longer): each shard is padded to the longest for the collective and
+the padding cut after, as the high-precision gather does.
+
 Backward: the consumers' partial grad_inputs (DTensor `Partial`) are summed by autograd and
 reduce-scattered back to the sequence shards in high precision.
 """
@@ -37,15 +41,22 @@ class _Float8SPAllGather(torch.autograd.Function):
     reduce-scatter the high-precision gradient back to the sequence shards."""
 
     @staticmethod
-    def forward(ctx, hp, mesh: DeviceMesh, seq_dim: int, strategy, float8_dtype, emulate):
+    def forward(ctx, hp, mesh: DeviceMesh, seq_dim: int, length, strategy, float8_dtype, emulate):
         ctx.mesh, ctx.seq_dim = mesh, seq_dim
         scale = strategy.scale(hp, -1, float8_dtype)
         data = cast_to_float8_data(hp, scale, float8_dtype).view(torch.uint8)
         # gloo has no float8: the bytes travel as uint8 (the same bytes on NCCL), gathered
         # along dim 0, so the sequence dim goes first for the collective and back after
-        local = data.movedim(seq_dim, 0).contiguous()
-        gathered = local.new_empty((mesh.size() * local.shape[0], *local.shape[1:]))
+        local = data.movedim(seq_dim, 0)
+        chunk = local.shape[0] if length is None else -(-length // mesh.size())
+        if local.shape[0] < chunk:  # an uneven shard: padded to the first shards' size
+            pad = local.new_zeros((chunk - local.shape[0], *local.shape[1:]))
+            local = torch.cat([local, pad])
+        local = local.contiguous()
+        gathered = local.new_empty((mesh.size() * chunk, *local.shape[1:]))
         all_gather_single(gathered, local, mesh.get_group())
+        if length is not None:  # DTensor's Shard: full chunks first, so the tokens lead
+            gathered = gathered[:length]
         gathered = gathered.movedim(0, seq_dim).contiguous().view(float8_dtype)
         fp8 = Float8Tensor(gathered, scale, hp.dtype, emulate)
         return DTensor.from_local(fp8, mesh, (Replicate(),), run_check=False)
@@ -55,7 +66,7 @@ class _Float8SPAllGather(torch.autograd.Function):
         if not isinstance(grad, DTensor):  # a consumer outside the TP styles: a partial sum
             grad = DTensor.from_local(grad, ctx.mesh, (Partial(),), run_check=False)
         local = grad.redistribute(ctx.mesh, (Shard(ctx.seq_dim),)).to_local()
-        return local, None, None, None, None, None
+        return local, None, None, None, None, None, None
 
 
 class PrepareFloat8ModuleInput(PrepareModuleInput):
@@ -106,17 +117,31 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         )
         if not gathers:
             return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
+        seq_dim = input_layout.dim % input.ndim
+        length = None  # a plain local shard: even shards assumed, as DTensor.from_local does
         if isinstance(input, DTensor):
             if input.placements != (input_layout,):
                 raise ValueError(
                     f"PrepareFloat8ModuleInput expected an input {input_layout}, got "
                     f"{input.placements}"
                 )
+            length = input.shape[seq_dim]
+            _check_length(length, seq_dim, mesh)
             input = input.to_local()
         strategy, emulate = self._cast
-        seq_dim = input_layout.dim % input.ndim
         return _Float8SPAllGather.apply(
-            input, mesh, seq_dim, _tp_strategy(strategy, mesh), self.float8_dtype, emulate
+            input, mesh, seq_dim, length, _tp_strategy(strategy, mesh), self.float8_dtype, emulate
+        )
+
+
+def _check_length(length: int, seq_dim: int, mesh: DeviceMesh) -> None:
+    """Every rank knows the global length: a rank with an empty shard (fewer tokens than
+    TP ranks) would have no amax for the shared scale, so all refuse alike."""
+    if length < mesh.size():
+        raise ValueError(
+            f"PrepareFloat8ModuleInput: the sequence dim ({seq_dim}) has {length} tokens for "
+            f"{mesh.size()} tensor-parallel ranks, so some ranks hold none; use sequences of "
+            f"at least {mesh.size()} tokens, or PrepareModuleInput (high-precision gather)"
         )
 
 

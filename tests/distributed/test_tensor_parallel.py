@@ -8,7 +8,10 @@
 - bytes: each sequence-parallel activation all-gather sends 1 byte per element (uint8 views
   of float8; its tensorwise scale comes from an all-reduced amax, so no scale bytes);
 - scale collectives: the MAX all-reduces of one step, counted per recipe and bounded in size;
-- refusals: combinations TP cannot run with single-process scales raise with a remedy.
+- refusals: combinations TP cannot run with single-process scales raise with a remedy;
+- uneven sequence shards: 15 tokens on 2 ranks (DTensor shards of 8 and 7) are gathered in
+  float8 with the same output and input gradient as the high-precision gather (it used to
+  kill a rank in gloo: 1024 vs 896 bytes); fewer tokens than ranks is refused on every rank.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    parallelize_module,
+)
 
 from fsdp_float8 import (
     CastConfig,
@@ -63,7 +71,41 @@ def _grid(rank: int, world_size: int) -> dict:
         for c in PARITY
     ]
     comm = {r: _one_step(TPCase(recipe=r), mesh) for r in MAX_REDUCES_PER_BLOCK}
-    return {"parity": parity, "comm": comm, "refusals": _refusals(mesh)}
+    uneven = _uneven_sequence(mesh["tp"])
+    return {"parity": parity, "comm": comm, "refusals": _refusals(mesh), "uneven": uneven}
+
+
+def _uneven_gather(tp, style, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and input gradient of a float8 colwise layer fed through ``style`` from a
+    sequence-sharded DTensor of ``tokens`` tokens (the same full input on every rank)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig())
+    parallelize_module(model, tp, style)
+    parallelize_module(model, tp, {"0": Float8ColwiseParallel()})
+    x = distribute_tensor(torch.randn(2, tokens, 64), tp, [Shard(1)]).requires_grad_()
+    out = model(x)  # this rank's 64 output columns (use_local_output)
+    out.square().sum().backward()
+    return out.detach(), x.grad.full_tensor()
+
+
+def _uneven_sequence(tp) -> dict:
+    hp = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    fp8 = PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    got, want = _uneven_gather(tp, fp8, 15), _uneven_gather(tp, hp, 15)
+    local = distribute_tensor(torch.zeros(1, 15, 1), tp, [Shard(1)]).to_local().shape[1]
+    try:
+        _uneven_gather(tp, fp8, 1)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    return {
+        "local_tokens": local,
+        "out_equal": torch.equal(got[0], want[0]),
+        "grad_equal": torch.equal(got[1], want[1]),
+        "out_shape": tuple(got[0].shape),
+        "refused": refused,
+    }
 
 
 def _one_step(case: TPCase, mesh) -> dict:
@@ -181,3 +223,14 @@ def test_tp_refusals(results):
     assert "tensorwise input cast" in got["float8_gather_rowwise_recipe"]
     assert "Float8ColwiseParallel" in got["torch_colwise_on_float8"]
     assert "supports tensorwise and rowwise (axiswise) scales, got Blockwise" in got["block_recipe"]
+
+
+def test_uneven_sequence_shards_gather_in_float8(results):
+    for rank, res in enumerate(results):
+        got = res["uneven"]
+        assert got["local_tokens"] == (8, 7)[rank]  # the shards really are uneven
+        assert got["out_shape"] == (2, 15, 64)  # every token, this rank's columns
+        assert got["out_equal"] and got["grad_equal"], got  # as the hp gather, bit for bit
+        assert got["refused"].startswith(
+            "PrepareFloat8ModuleInput: the sequence dim (1) has 1 tokens for 2 tensor-parallel"
+        ), got["refused"]
