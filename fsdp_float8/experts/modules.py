@@ -20,6 +20,8 @@ gathers them in float8 (1 byte per element plus per-row scales for rowwise).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,6 +61,8 @@ def skip_reason(module: nn.Module, config: Float8LinearConfig) -> str | None:
         )
     if isinstance(module, Float8ExpertsBase):
         return "already float8 experts"
+    if layout == "fused" and (why := _fused_layout_problem(module)):
+        return why
     if layout == "fused":
         flags = {"has_bias": False, "is_transposed": False, "has_gate": True}
         flags["is_concatenated"] = True
@@ -77,6 +81,30 @@ def skip_reason(module: nn.Module, config: Float8LinearConfig) -> str | None:
             else "set pad_inner_dim=True to pad"
         )
         return f"expert dims {dims} not multiples of 16 ({hint})"
+    return None
+
+
+def _fused_layout_problem(module: nn.Module) -> str | None:
+    """Why a gate_up_proj/down_proj module is not transformers 5.x's fused experts layout
+    (None: it is): `gate_up_proj (E, 2*inter, hidden)`, `down_proj (E, hidden, inter)` and
+    `forward(hidden_states, top_k_index, top_k_weights)`. Llama4TextExperts, for one, holds
+    them transposed, (E, in, out), and takes tokens already grouped by expert."""
+    name = type(module).__name__
+    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    if gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
+        return (
+            f"{name} holds gate_up_proj {tuple(gate_up)} and down_proj {tuple(down)}, not the "
+            "fused layout (E, 2*inter, hidden) / (E, hidden, inter) (transposed weights, "
+            "(E, in, out), as Llama4TextExperts: not supported)"
+        )
+    params = inspect.signature(module.forward).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in kinds]
+    if len(names) < 3 and not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return (
+            f"{name}.forward({', '.join(names)}) is not the fused experts' forward("
+            "hidden_states, top_k_index, top_k_weights): not supported"
+        )
     return None
 
 
@@ -179,7 +207,14 @@ def permute_by_expert(hidden: torch.Tensor, top_k_index: torch.Tensor, num_exper
     Index `num_experts` (transformers' marker for a slot not routed here) is dropped."""
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    counts = torch.bincount(flat, minlength=num_experts + 1)  # raises on a negative index
+    if counts.numel() > num_experts + 1:  # its length is the largest index + 1: no extra sync
+        raise ValueError(
+            f"top_k_index holds expert {counts.numel() - 1}, but this experts module has "
+            f"{num_experts} experts (0..{num_experts - 1}; {num_experts} marks a slot routed "
+            "to no local expert); check the router's number of experts and top_k_index"
+        )
+    counts = counts[:num_experts]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     routed = int(offs[-1])  # host copy: rows past it were routed to no local expert
     order = order[:routed]

@@ -192,3 +192,83 @@ def test_float8_all_gather_experts_keep_plain_tensors_in_the_state_dict():
     assert all(type(v) is torch.Tensor for v in state.values()), {type(v) for v in state.values()}
     float8.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
     assert isinstance(float8.w2, DynamicFloat8Weight)  # re-wrapped after assign=True
+
+
+# -- layouts faked without transformers ----------------------------------------------------
+
+
+class _FusedExperts(nn.Module):
+    """transformers 5.x fused experts' layout and forward signature (eager loop)."""
+
+    def __init__(self, n: int = 8, hidden: int = 64, inter: int = 32):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(n, 2 * inter, hidden) / 8)
+        self.down_proj = nn.Parameter(torch.randn(n, hidden, inter) / 8)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = (hidden_states[token] @ self.gate_up_proj[e].T).chunk(2, dim=-1)
+            y = (self.act_fn(gate) * up) @ self.down_proj[e].T
+            out.index_add_(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
+class Llama4TextExperts(nn.Module):
+    """transformers' Llama4TextExperts layout: weights (E, in, out), tokens pre-grouped."""
+
+    def __init__(self, n: int = 4, hidden: int = 64, inter: int = 32):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(n, hidden, 2 * inter) / 8)
+        self.down_proj = nn.Parameter(torch.randn(n, inter, hidden) / 8)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(self.gate_up_proj.shape[0], -1, self.gate_up_proj.shape[1])
+        gate, up = torch.bmm(x, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.bmm(up * self.act_fn(gate), self.down_proj).view(-1, x.shape[-1])
+
+
+def test_llama4_transposed_experts_are_skipped_with_the_reason():
+    """It used to be reported converted, then its forward failed with a TypeError."""
+    model = nn.ModuleDict({"experts": Llama4TextExperts()})
+    convert_to_float8_training(model, config=ROWWISE)
+    report = model.float8_conversion_report
+    assert report.experts_converted == []
+    why = report.experts_skipped["experts"]
+    assert "Llama4TextExperts holds gate_up_proj (4, 64, 64) and down_proj (4, 32, 64)" in why
+    assert "transposed weights" in why
+    assert model["experts"](torch.randn(16, 64)).shape == (16, 64)  # runs, high precision
+
+
+def test_fused_experts_forward_signature_is_checked():
+    class OneArg(_FusedExperts):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    model = nn.ModuleDict({"experts": OneArg()})
+    convert_to_float8_training(model, config=ROWWISE)
+    why = model.float8_conversion_report.experts_skipped["experts"]
+    assert "OneArg.forward(hidden_states) is not the fused experts' forward" in why
+
+
+def test_fused_experts_refuse_an_out_of_range_expert_index():
+    """Index num_experts is transformers' 'not routed here' marker; a larger one used to
+    give zeros silently."""
+    experts = _FusedExperts()
+    model = nn.ModuleDict({"experts": experts})
+    convert_to_float8_training(model, config=ROWWISE)
+    assert model.float8_conversion_report.experts_converted == ["experts"]
+    float8 = model["experts"]
+    g = torch.Generator().manual_seed(0)
+    x, weights = torch.randn(16, 64, generator=g), torch.rand(16, 2, generator=g)
+    index = torch.randint(0, 8, (16, 2), generator=g)
+    ref, out = experts(x, index, weights), float8(x, index, weights)
+    assert sqnr_db(ref, out) >= SQNR_DB["linear_output"]
+    index[3, 1] = 8  # the marker: dropped
+    float8(x, index, weights)
+    index[3, 1] = 9
+    with pytest.raises(ValueError, match="top_k_index holds expert 9, but this experts module"):
+        float8(x, index, weights)
