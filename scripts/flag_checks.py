@@ -41,7 +41,7 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             "drop it, or choose a float8 --recipe"
             for attr, flag, is_set in _FLOAT8_ONLY
             if is_set(getattr(args, attr))
-        ]
+        ] + _run_problems(args)
     problems = []
     if args.static_scales is not None:
         if args.scaling != "static":
@@ -63,12 +63,28 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             f"--no-precompute applies to --scaling dynamic only (this run: --scaling "
             f"{args.scaling}, whose sync needs the refresh hook); drop it"
         )
-    problems += _skip_problems(args)
+    problems += _skip_problems(args) + _run_problems(args)
+    return problems
+
+
+def _run_problems(args: argparse.Namespace) -> list[str]:
+    """Run and data flags that the rest of the command makes idle."""
+    problems = []
     if args.token_dtype is not None and (args.data is None or Path(args.data).is_dir()):
         what = "the stdlib corpus" if args.data is None else f"the folder {args.data}"
         problems.append(
             f"--token-dtype {args.token_dtype} applies to a token file, but --data is {what} "
             "(byte-level text); drop --token-dtype, or pass the token file as --data"
+        )
+    if args.cache_dir is not None and args.data is not None and not Path(args.data).is_dir():
+        problems.append(
+            f"--cache-dir {args.cache_dir} holds the token cache of a folder or of the stdlib "
+            f"corpus, but --data {args.data} is one file, read in place; drop --cache-dir"
+        )
+    if args.stop_at_step is not None and args.stop_at_step >= args.steps:
+        problems.append(
+            f"--stop-at-step {args.stop_at_step} is not before --steps {args.steps}, so the "
+            "run ends first; use a step below --steps, or drop it"
         )
     return problems
 

@@ -40,6 +40,9 @@ from scripts.train_args import parse_args
         (["--recipe", "off", "--float8-skip", "blocks.0.*"], "--float8-skip has no effect"),
         (["--recipe", "off", "--numerics-every", "5"], "--numerics-every has no effect"),
         (["--recipe", "off", "--emulate"], "--emulate has no effect with --recipe off"),
+        (["--recipe", "off", "--token-dtype", "uint32"], "--token-dtype uint32 applies to a"),
+        (["--steps", "5", "--stop-at-step", "5"], "--stop-at-step 5 is not before --steps 5"),
+        (["--data", __file__, "--cache-dir", "/tmp/x"], "but --data " + __file__ + " is one"),
     ],
 )
 def test_ignored_flags_are_refused(argv, message, capsys, tmp_path: Path) -> None:
