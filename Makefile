@@ -52,7 +52,7 @@ test-gpu: venv
 	$(BIN)/python -m pytest -q -m gpu || [ $$? -eq 5 ]
 
 train: venv
-	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m scripts.train
+	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m f8train.train
 
 format: venv
 	$(BIN)/ruff check --fix .

@@ -82,7 +82,7 @@ def cast_to_float8_data(
 
 # amax = max |x|, the one home of the reduction. Never `abs()` first: that writes a
 # full-size temporary. `linalg.vector_norm(inf)` is one pass on CUDA but runs 10-40x slower
-# than aminmax/amax on CPU (`scripts/bench_cast.py --cases amax,amax_vector_norm`), so the
+# than aminmax/amax on CPU (`f8train/bench_cast.py --cases amax,amax_vector_norm`), so the
 # reductions here are min and max, whose results are exact and device independent.
 
 

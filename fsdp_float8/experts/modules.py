@@ -6,7 +6,7 @@ nn.Linear weight) and runs them on routed tokens. Two layouts are recognised:
 - torchtitan-style `GroupedExperts`: `w1`, `w3` `(E, hidden, dim)` and `w2` `(E, dim,
   hidden)`, `forward(x, num_tokens_per_expert)` with the tokens already permuted by expert;
   `out = (silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T`. This repository's own MoE block
-  (`scripts/moe.py`) uses it.
+  (`f8train/moe.py`) uses it.
 - Hugging Face `transformers` 5.x fused experts (`Qwen3MoeExperts`, `MixtralExperts`, ...):
   `gate_up_proj (E, 2*inter, hidden)`, `down_proj (E, hidden, inter)`, `act_fn`,
   `forward(hidden_states, top_k_index, top_k_weights)` with the tokens in model order.

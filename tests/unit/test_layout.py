@@ -53,7 +53,7 @@ def test_amax_reduction_lives_in_scaling():
 
 
 def test_package_does_not_import_numpy():
-    # numpy is the scripts' dependency (pyproject extra `scripts`), not the library's
+    # numpy is the scripts' dependency (pyproject extra `f8train`), not the library's
     importers = [
         f for f, text in _sources().items() if re.search(r"^\s*(import|from) numpy\b", text, re.M)
     ]

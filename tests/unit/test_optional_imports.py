@@ -60,7 +60,7 @@ def test_optional_features_still_import_lazily() -> None:
 def test_numpy_is_not_a_runtime_dependency() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in project["dependencies"] if d.startswith("numpy")]
-    assert any(d.startswith("numpy") for d in project["optional-dependencies"]["scripts"])
+    assert any(d.startswith("numpy") for d in project["optional-dependencies"]["f8train"])
 
 
 def test_version_from_package_metadata_with_a_fallback(monkeypatch) -> None:

@@ -1,0 +1,324 @@
+"""Checkpoints of ``f8train/train.py`` with torch.distributed.checkpoint (DCP).
+
+Mental model: a checkpoint is one DCP folder ``OUT/checkpoints/step_00000042/`` holding
+
+- ``app``: model and optimizer state from ``get_state_dict`` (sharded DTensors; the
+  delayed-scaling buffers are model buffers, so they come along), loaded back with
+  ``set_state_dict``. Each rank writes its own shards; DCP reshards on load, so a
+  checkpoint saved on 2 ranks loads on 1 or 4;
+- ``scheduler`` (without its lambda: the schedule's shape comes from the resumed run's
+  flags), ``batcher`` (the data position), ``rng`` and ``progress`` (step, tokens);
+- ``manifest.json``, written after every rank's DCP files: each file's size and sha256 and
+  the run settings the checkpoint depends on (``f8train/checkpoint_manifest.py``);
+  ``f8train/resume.py`` verifies the files against it before anything is loaded.
+
+A folder without a manifest is one of two things, told apart by ``dcp_problem``: an
+interrupted save (no readable ``.metadata``, or a file it names is missing or short: DCP
+could not load it) or a checkpoint *in doubt* (DCP's files are all there: saved before
+manifests existed, or its manifest was lost). Nothing that could load is ever deleted:
+pruning removes only complete checkpoints beyond the newest ``keep`` and interrupted saves;
+a save that finds a loadable folder in its way renames it aside (``step_N.set_aside``).
+Before each save the free disk space is checked against the last checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from f8train.checkpoint_manifest import (
+    MANIFEST,
+    all_gather_object,
+    broadcast_from_0,
+    write_manifest,
+)
+
+_PREFIX = "step_"
+_STEP_DIR = re.compile(rf"{_PREFIX}(\d+)")
+SET_ASIDE = "set_aside"
+# free space asked for beyond the estimated size of a checkpoint (metadata, the manifest)
+_SPACE_MARGIN = 1.10
+
+
+def dcp_problem(path: Path) -> str | None:
+    """Why DCP could not load the folder ``path`` (None: it looks loadable: ``.metadata``
+    reads and every file it names is on disk, long enough for the bytes it needs there)."""
+    meta = Path(path) / ".metadata"
+    if not meta.is_file():
+        return "no .metadata (DCP's save did not finish)"
+    try:
+        with open(meta, "rb") as f:
+            metadata = pickle.load(f)
+        needs: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            end = int(info.offset) + int(info.length)
+            needs[info.relative_path] = max(needs.get(info.relative_path, 0), end)
+    except Exception as err:  # a truncated or foreign file: any unpickling error
+        return f".metadata cannot be read ({type(err).__name__})"
+    for name, end in sorted(needs.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size < end:
+            return f"{name} has {file.stat().st_size} bytes, .metadata needs {end}"
+    return None
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def fmt_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def aside_name(path: Path, suffix: str) -> Path:
+    """``step_N.suffix``, or ``step_N.suffix2``, ... : a name nothing uses yet."""
+    new, n = path.with_name(f"{path.name}.{suffix}"), 1
+    while new.exists():
+        n += 1
+        new = path.with_name(f"{path.name}.{suffix}{n}")
+    return new
+
+
+class ModelOptimizerState(Stateful):
+    """Model + optimizer through DCP's state-dict helpers (FQNs without wrapper prefixes)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+class SchedulerState(Stateful):
+    """An LR scheduler's counters, without ``lr_lambdas`` (rebuilt from the flags)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.__dict__.update(state_dict)
+
+
+class RNGState(Stateful):
+    """The torch RNG states (CPU, and the current CUDA device's); identical on all ranks,
+    since every rank seeds the same, so a resharded resume can restore them too."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["cpu"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+class ProgressState(Stateful):
+    """Where the run is: the last completed step and the tokens trained on so far."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens = int(state_dict["tokens"])
+
+
+class Checkpointer:
+    """Save/load/find the DCP checkpoints under ``root``; ``keep`` newest are kept."""
+
+    def __init__(self, root: Path, *, keep: int, is_main: bool) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.is_main = is_main
+
+    @staticmethod
+    def is_complete(path: Path) -> bool:
+        return (Path(path) / MANIFEST).is_file()
+
+    def complete(self) -> list[Path]:
+        """Complete checkpoints (those with a manifest), oldest first."""
+        return [p for p in self.step_dirs() if self.is_complete(p)]
+
+    def in_doubt(self) -> list[Path]:
+        """Folders without a manifest whose DCP files are all there, oldest first."""
+        return [p for p in self.step_dirs() if not self.is_complete(p) and not dcp_problem(p)]
+
+    def step_dirs(self) -> list[Path]:
+        """Folders named like a checkpoint (``step_N``), complete or not, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+        return sorted(found, key=step_of)
+
+    def latest(self) -> Path | None:
+        found = self.complete()
+        return found[-1] if found else None
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"{_PREFIX}{step:08d}"
+
+    def save(self, step: int, state: dict[str, Stateful], settings: dict[str, Any]) -> Path:
+        """DCP save, then the manifest of checksums (collective: every rank calls it)."""
+        path = self.path_for(step)
+        need = self.check_space(step, state)
+        if self.is_main and path.exists():
+            self._clear(path)
+        dist.barrier()
+        try:
+            dcp.save(state, checkpoint_id=path)
+        except Exception as err:  # DCP's CheckpointException, OSError, RuntimeError ...
+            if free_bytes(self.root) >= need and "No space left" not in str(err):
+                raise
+            why = f"the save failed: {_first_lines(err)}"
+            raise SystemExit(self._no_space(step, need, why)) from None
+        dist.barrier()  # every rank's files are written
+        write_manifest(path, step=step, settings=settings)
+        dist.barrier()  # the manifest is in place before anyone prunes or reads it
+        if self.is_main:
+            self._prune()
+        return path
+
+    def needed_bytes(self, state: dict[str, Stateful] | None) -> int:
+        """The space the next checkpoint is expected to take: the newest complete one's
+        size, else the bytes of the state's tensors over all ranks (0 without a state)."""
+        latest = broadcast_from_0(self.latest() if self.is_main else None)
+        if latest is not None:
+            return int(folder_bytes(latest) * _SPACE_MARGIN)
+        if state is None:
+            return 0
+        return int(sum(all_gather_object(_tensor_bytes(state))) * _SPACE_MARGIN)
+
+    def check_space(self, step: int | None, state: dict[str, Stateful] | None = None) -> int:
+        """Stop every rank, with rank 0's verdict, when the disk lacks room for the next
+        checkpoint (collective). Returns the bytes needed."""
+        need = self.needed_bytes(state)
+        problem = None
+        if self.is_main and free_bytes(self.root) < need:
+            problem = self._no_space(step, need, "checked before the save")
+        need, problem = broadcast_from_0((need, problem))
+        if problem is not None:
+            raise SystemExit(problem)
+        return need
+
+    def _no_space(self, step: int | None, need: int, when: str) -> str:
+        what = f"checkpoint step {step}" if step is not None else "this run's checkpoints"
+        latest = self.latest()
+        resume = f"rerun the same command to resume from {latest}" if latest else "rerun"
+        return (
+            f"No space left on device for {what} under {self.root} ({when}): "
+            f"{fmt_size(free_bytes(self.root))} free, about {fmt_size(need)} needed (the last "
+            f"checkpoint's size). Free space on that disk (or lower --keep-ckpts, or choose "
+            f"another --out), then {resume}. No checkpoint was deleted."
+        )
+
+    def _clear(self, path: Path) -> None:
+        """Make room for a save at ``path``: a loadable folder is renamed aside (never
+        deleted); an interrupted save, which DCP could not load, is removed."""
+        if self.is_complete(path) or dcp_problem(path) is None:
+            new = aside_name(path, SET_ASIDE)
+            path.rename(new)
+            print(
+                f"WARNING: {path} was in the way of this save and may load; renamed it to "
+                f"{new} (kept; delete it when done)",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            shutil.rmtree(path)
+
+    def load(self, path: Path, state: dict[str, Stateful]) -> None:
+        """DCP load of a verified checkpoint; a failure names the checkpoint and exits."""
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
+            raise SystemExit(
+                f"could not load checkpoint {path}, although its files match their "
+                f"checksums: {_first_lines(err)}\nresume with the flags it was saved with "
+                f"(see the run.json next to it), or use another --out"
+            ) from None
+
+    def _prune(self) -> None:
+        """Complete checkpoints beyond the newest ``keep``, and interrupted saves older than
+        the newest; never a folder without a manifest that DCP could load."""
+        complete = self.complete()
+        newest = step_of(complete[-1]) if complete else -1
+        for old in complete[: max(0, len(complete) - self.keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+        for partial in self.step_dirs():
+            if self.is_complete(partial) or step_of(partial) >= newest:
+                continue
+            if dcp_problem(partial) is not None:
+                shutil.rmtree(partial, ignore_errors=True)
+
+
+def _tensor_bytes(state: dict[str, Stateful]) -> int:
+    """Bytes of this rank's tensors in the state (a DTensor's local shard)."""
+    total = 0
+    stack: list[Any] = [s.state_dict() for s in state.values()]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor):
+            local = item.to_local() if isinstance(item, DTensor) else item
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _first_lines(err: BaseException, n: int = 6) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
+
+
+def step_of(path: Path) -> int:
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else -1

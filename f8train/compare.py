@@ -1,0 +1,207 @@
+"""Train several float8 configurations on the same data and seed and compare them.
+
+Run from the repository root (it launches ``torchrun ... -m f8train.train`` once per
+configuration; flags it does not know are passed on to every training run):
+
+    python -m f8train.compare                               # 2 CPU ranks, the default runs
+    python -m f8train.compare --nproc 2 --steps 100 --configs bf16,tensorwise,delayed
+    python -m f8train.compare --nproc 8 --device cuda --preset small --steps 2000
+
+Each configuration trains into ``OUT/NAME/`` (a finished run with the same flags is reused;
+``--rerun`` trains again; an earlier run in the way is renamed ``NAME.previous``, never
+deleted, since it may hold checkpoints). Writes ``OUT/compare.md`` (final train and validation loss, the
+validation gap to bf16, tokens/s, all-gather bytes per step, peak memory) and
+``OUT/loss_curves.png`` (needs matplotlib: ``pip install -e '.[plot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from f8train.checkpoint import aside_name
+from f8train.train_log import fmt_bytes, read_metrics
+
+CONFIGS: dict[str, list[str]] = {
+    "bf16": ["--recipe", "off"],
+    "tensorwise": ["--recipe", "tensorwise", "--fp8-all-gather"],
+    "tensorwise-hp-all-gather": ["--recipe", "tensorwise", "--no-fp8-all-gather"],
+    "rowwise": ["--recipe", "rowwise"],
+    "delayed": ["--recipe", "tensorwise", "--scaling", "delayed", "--fp8-all-gather"],
+    "blockwise": ["--recipe", "blockwise"],
+    "mxfp8": ["--recipe", "mxfp8", "--fp8-all-gather"],
+}
+BASELINE = "bf16"
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
+    parser.add_argument("--out", default="runs/compare")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rerun", action="store_true", help="train again even if finished")
+    args, train_args = parser.parse_known_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        parser.error(
+            f"--configs {args.configs!r}: unknown {unknown}; expected from {list(CONFIGS)}"
+        )
+    args.names = names
+    return args, train_args
+
+
+def train_command(name: str, args: argparse.Namespace, train_args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        "-m",
+        "f8train.train",
+        *CONFIGS[name],
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(Path(args.out) / name),
+        "--log-every",
+        str(max(1, args.steps // 10)),
+        *(_without_float8_flags(train_args) if "off" in CONFIGS[name] else train_args),
+    ]
+
+
+# float8-only flags of f8train.train (a --recipe off run refuses them as ignored)
+_FLOAT8_VALUE_FLAGS = ("--scaling", "--static-scales", "--delayed-history", "--float8-skip")
+_FLOAT8_BARE_FLAGS = ("--fp8-all-gather", "--no-fp8-all-gather", "--emulate", "--no-precompute")
+
+
+def _without_float8_flags(train_args: list[str]) -> list[str]:
+    """The flags passed on to every run, less those that act only on float8 layers."""
+    kept, skip_next = [], False
+    for arg in train_args:
+        name = arg.partition("=")[0]
+        if skip_next:
+            skip_next = False
+        elif name in _FLOAT8_VALUE_FLAGS + ("--numerics-every",):
+            skip_next = "=" not in arg
+        elif arg not in _FLOAT8_BARE_FLAGS:
+            kept.append(arg)
+    return kept
+
+
+def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> dict:
+    """Train one configuration (or reuse a finished run with the same command)."""
+    out = Path(args.out) / name
+    command = train_command(name, args, train_args)
+    stamp = out / "compare_command.json"
+    finished = (out / "summary.json").exists() and stamp.exists()
+    if finished and not args.rerun and json.loads(stamp.read_text()) == command[1:]:
+        print(f"== {name}: reusing the finished run in {out}", flush=True)
+    else:
+        if out.exists():  # another command's run, or an unfinished one: kept, renamed
+            old = aside_name(out, "previous")
+            out.rename(old)
+            print(f"== {name}: the earlier run in {out} is kept as {old}", flush=True)
+        out.mkdir(parents=True)
+        print(f"== {name}: {' '.join(command)}", flush=True)
+        result = subprocess.run(command)
+        if result.returncode != 0:
+            print(f"== {name}: failed with exit code {result.returncode}", flush=True)
+            return {"name": name, "failed": result.returncode}
+        stamp.write_text(json.dumps(command[1:]) + "\n")
+    summary = json.loads((out / "summary.json").read_text())
+    return {"name": name, "summary": summary, "metrics": read_metrics(out / "metrics.jsonl")}
+
+
+def markdown_table(results: list[dict]) -> str:
+    base = next((r for r in results if r["name"] == BASELINE and "summary" in r), None)
+    base_val = base["summary"]["val_loss"] if base else None
+    head = (
+        "| config | final train loss (avg 10) | val loss | val vs bf16 | tokens/s | "
+        "all-gather / step | peak memory |\n|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for r in results:
+        if "summary" not in r:
+            rows.append(f"| {r['name']} | failed (exit {r['failed']}) | | | | | |")
+            continue
+        s = r["summary"]
+        val = s.get("val_loss")
+        gap = "-"
+        if val is not None and base_val:
+            gap = f"{100 * (val - base_val) / base_val:+.2f}%"
+        rows.append(
+            f"| {r['name']} | {s['final_loss_avg10']:.4f} | "
+            f"{'-' if val is None else f'{val:.4f}'} | {gap} | {s['tokens_per_s']:,.0f} | "
+            f"{fmt_bytes(s.get('all_gather_bytes_per_step'))} | "
+            f"{fmt_bytes(s.get('peak_memory_bytes'))} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> bool:
+    """Train loss per step (validation as dots) and, below, each run's train loss minus the
+    bf16 run's at the same step (the curves overlap at this scale); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "matplotlib is not installed, so no loss-curve PNG: install it with "
+            "`pip install -e '.[plot]'` (or `.venv/bin/pip install matplotlib`)",
+            flush=True,
+        )
+        return False
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(2, 1))
+    base = next((r for r in results if r["name"] == BASELINE and "metrics" in r), None)
+    base_loss = {m["step"]: m["loss"] for m in base["metrics"]} if base else {}
+    for r in (r for r in results if "metrics" in r):
+        _plot_run(top, bottom, r, base_loss)
+    top.set(ylabel="loss (train: line, validation: dots)", yscale="log")
+    bottom.set(xlabel="step", ylabel=f"train loss - {BASELINE}")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_run(top, bottom, result: dict, base_loss: dict[int, float]) -> None:
+    metrics = result["metrics"]
+    steps = [m["step"] for m in metrics]
+    line = top.plot(steps, [m["loss"] for m in metrics], label=result["name"], lw=1)[0]
+    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    if val:
+        top.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8)
+    diff = [
+        (m["step"], m["loss"] - base_loss[m["step"]]) for m in metrics if m["step"] in base_loss
+    ]
+    if diff:
+        bottom.plot(*zip(*diff), color=line.get_color(), lw=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, train_args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [run_config(name, args, train_args) for name in args.names]
+    table = markdown_table(results)
+    (out / "compare.md").write_text(table)
+    print(f"\n{table}\nwrote {out / 'compare.md'}", flush=True)
+    if plot(results, out / "loss_curves.png"):
+        print(f"wrote {out / 'loss_curves.png'}", flush=True)
+    return 1 if any("failed" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Process group and device mesh of a launched rank (``f8train/train.py``,
+``f8train/bench_fsdp.py``).
+
+Mental model: ``init_distributed`` turns the environment into a ``Dist`` (rank, world,
+device, data-parallel mesh). Three ways in: torchrun's environment (env:// rendezvous), a
+restarted torchrun attempt (its own key prefix on the agent's store, see
+``_restarted_on_agent_store``), or a plain ``python -m`` start (one rank, in-memory store).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# long enough for a checkpoint save or a first compiled step on a slow rank, short enough
+# that a hung job ends well before torch's default 30 minutes (``--pg-timeout-s``)
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: rank, world size, device, the data-parallel mesh (what
+    ``fully_shard`` shards over) and, with ``--tp N > 1``, the tensor-parallel mesh (the
+    innermost dim of one mesh, so the N ranks of a TP group are consecutive)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.tp_mesh is None else self.tp_mesh.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of a TP group read the same batch."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
+
+    def mesh_shape(self) -> dict[str, int]:
+        shape = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
+        return shape | ({"tp": self.tp} if self.tp_mesh is not None else {})
+
+
+def init_distributed(
+    device_type: str, hsdp_replicate: int, *, tp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Dist:
+    """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
+
+    Under torchrun the rendezvous comes from the environment; started as a plain
+    ``python -m f8train.train`` it runs as a single rank with an in-memory store.
+    ``timeout_s`` bounds every collective: a rank waiting longer for its peers fails
+    (gloo raises, see ``timeout_message``; NCCL's watchdog aborts the process with its own
+    message) instead of hanging for torch's default 30 minutes.
+    """
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False; use --device cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    device_id = device if device_type == "cuda" else None
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" not in os.environ:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    elif _restarted_on_agent_store():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.PrefixStore(f"f8train.train/attempt_{_restart_count()}", _agent_store(world))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, device_id=device_id, timeout=timeout
+        )
+    else:
+        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
+    world = dist.get_world_size()
+    mesh, tp_mesh = _meshes(device_type, world, hsdp_replicate, tp)
+    return Dist(dist.get_rank(), world, local_rank, device, mesh, tp_mesh)
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _restarted_on_agent_store() -> bool:
+    # torch 2.13: torchrun's workers share the agent's TCPStore with no per-attempt key
+    # prefix, so after a restart gloo reads the previous attempt's peer addresses and fails
+    # with "Connection refused" (pytorch/pytorch#135712 is the NCCL face of it). Give each
+    # attempt its own prefix. TORCHELASTIC_RESTART_COUNT is consistent among the workers of
+    # one agent; multi-node restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # (a fresh store per round), which also turns this path off.
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _restart_count() > 0
+
+
+def _agent_store(world: int) -> dist.Store:
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(minutes=10),
+    )
+
+
+def _meshes(
+    device_type: str, world: int, replicate: int, tp: int
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """(data-parallel mesh, TP mesh or None): sub-meshes of one (replicate?, shard, tp?) mesh."""
+    if tp < 1 or world % tp != 0:
+        raise SystemExit(
+            f"--tp {tp} with {world} ranks: expected a divisor of the world size "
+            f"(data parallel x tensor parallel = {world})"
+        )
+    dp = world // tp
+    if replicate < 1 or dp % replicate != 0:
+        raise SystemExit(
+            f"--hsdp-replicate {replicate} with {dp} data-parallel ranks ({world} / --tp {tp}): "
+            f"expected a divisor of it (replicate x shard = {dp})"
+        )
+    shape, names = [dp], ["shard"]
+    if replicate > 1:
+        shape, names = [replicate, dp // replicate], ["replicate", "shard"]
+    if tp == 1:
+        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)), None
+    full = init_device_mesh(device_type, (*shape, tp), mesh_dim_names=(*names, "tp"))
+    return full[tuple(names)], full["tp"]
+
+
+def collective_failure_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
+    """What to tell the user when ``err`` is a collective that timed out, or one whose peer
+    went away (the first rank to time out exits, and its peers then see a closed
+    connection); None for any other error."""
+    text = str(err).strip()
+    if not isinstance(err, RuntimeError) or not text:
+        return None
+    first = text.splitlines()[0]
+    if "timed out" in text.lower():
+        return (
+            f"rank {rank}: a collective did not complete within --pg-timeout-s {timeout_s:g} s "
+            f"({first}). Another rank stopped, crashed or is stuck: its log says which and "
+            "why. If the step or checkpoint save is merely slow, raise --pg-timeout-s."
+        )
+    if any(word in text for word in ("Connection closed by peer", "Connection reset by peer")):
+        return (
+            f"rank {rank}: a collective failed because another rank closed its connection "
+            f"({first}). That rank stopped or crashed first: its log says why."
+        )
+    return None

@@ -1,0 +1,133 @@
+"""The tensor-parallel plan of the Llama-style model (`f8train.model`), torchtitan's layout.
+
+Per block: the norms are sequence-parallel (activations sharded on the sequence dim
+between blocks' linears), attention's wq/wk/wv and the MLP's w1/w3 are colwise, wo and w2
+rowwise (their outputs reduce-scattered back to sequence shards). The inputs of attention
+and of the MLP go from sequence shards to whole: with float8 tensorwise layers
+`PrepareFloat8ModuleInput` all-gathers them in float8 (1 byte per element), otherwise
+`PrepareModuleInput` in high precision. The embedding is rowwise (vocab-sharded, output to
+sequence shards), the final norm sequence-parallel, the output head colwise with a
+replicated output (the loss sees whole logits).
+
+A converted layer (`Float8Linear`) gets fsdp_float8's float8 style, any other linear torch's
+own: the same plan serves a bf16 model. Apply it after `convert_to_float8_training` and
+before `fully_shard`; each block's attention then holds `n_heads / tp` heads per rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from f8train.model import Transformer
+from fsdp_float8 import Float8Linear
+from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
+from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
+
+
+def check_tp_size(model: Transformer, tp: int) -> None:
+    """Every sharded dim must split evenly over `tp` ranks (raises ValueError)."""
+    args = model.args
+    dims = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.kv_heads,
+        "ffn_hidden_dim": args.ffn_hidden_dim,
+        "vocab_size": args.vocab_size,
+    }
+    bad = {k: v for k, v in dims.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"tensor parallel size {tp} does not divide {bad}; choose --tp dividing every "
+            f"one of {dims} (the sequence length must be a multiple of it too)"
+        )
+
+
+def _colwise(m: nn.Module):
+    return Float8ColwiseParallel() if isinstance(m, Float8Linear) else ColwiseParallel()
+
+
+def _rowwise(m: nn.Module):
+    style = Float8RowwiseParallel if isinstance(m, Float8Linear) else RowwiseParallel
+    return style(output_layouts=Shard(1))
+
+
+def float8_gathers_input(consumers: list[nn.Module]) -> bool:
+    """True when every consumer is a Float8Linear whose input cast is tensorwise, shared by
+    its two GEMMs and of one dtype: the activation can then be all-gathered in float8."""
+    keys = set()
+    for m in consumers:
+        if not isinstance(m, Float8Linear):
+            return False
+        plan = m.plan
+        if not plan.shares_cast(Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT):
+            return False
+        keys.add(plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)])
+    return len(keys) == 1
+
+
+def _prepare(consumers: list[nn.Module], n_inputs: int):
+    layouts = (Shard(1),) + (None,) * (n_inputs - 1)
+    desired = (Replicate(),) + (None,) * (n_inputs - 1)
+    if float8_gathers_input(consumers):
+        dtype = consumers[0].plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
+        return PrepareFloat8ModuleInput(
+            input_layouts=layouts, desired_input_layouts=desired, float8_dtype=dtype
+        )
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=desired)
+
+
+def block_plan(block: nn.Module) -> dict[str, object]:
+    attn, ffn = block.attention, block.feed_forward
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": _prepare([attn.wq, attn.wk, attn.wv], 3),  # (x, cos, sin)
+        "attention.wq": _colwise(attn.wq),
+        "attention.wk": _colwise(attn.wk),
+        "attention.wv": _colwise(attn.wv),
+        "attention.wo": _rowwise(attn.wo),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": _prepare([ffn.w1, ffn.w3], 1),
+        "feed_forward.w1": _colwise(ffn.w1),
+        "feed_forward.w3": _colwise(ffn.w3),
+        "feed_forward.w2": _rowwise(ffn.w2),
+    }
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
+    """Parallelize `model` in place over the 1-D `tp_mesh` (see the module docstring)."""
+    tp = tp_mesh.size()
+    check_tp_size(model, tp)
+    if model.args.moe is not None:
+        raise ValueError(
+            "tensor parallelism of mixture-of-experts blocks is not supported (the plan "
+            "shards the dense SwiGLU feed-forward); use a dense preset, or --tp 1 for MoE"
+        )
+    if model.args.tie_embeddings:
+        raise ValueError(
+            "tensor parallelism of a model with tied embeddings is not supported (the "
+            "embedding is sharded by vocab rows, the head by output columns); untie them"
+        )
+    head = ColwiseParallel if not isinstance(model.output, Float8Linear) else Float8ColwiseParallel
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": head(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, block_plan(block))
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+    return model

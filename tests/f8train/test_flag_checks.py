@@ -1,0 +1,118 @@
+"""Flags a run would ignore are refused at argument time, naming the flag, why it does
+nothing, and the remedy (``f8train/flag_checks.py``); so is a binary token file that would
+train as text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from f8train.data import load_tokens
+from f8train.train_args import parse_args
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (  # was dropped: the run reported tensorwise/dynamic
+            ["--static-scales", "input=4"],
+            "--static-scales input=4 is used only with --scaling static (this run: --scaling "
+            "dynamic); add --scaling static",
+        ),
+        (  # was a raw ValueError traceback
+            ["--scaling", "static", "--static-scales", "input=abc"],
+            "--static-scales item 'input=abc': 'abc' is not a finite number > 0",
+        ),
+        (["--scaling", "static", "--static-scales", "weight=-2"], "'-2' is not a finite number"),
+        (["--scaling", "static", "--static-scales", "wieght=2"], "expected NAME=VALUE with NAME"),
+        (  # was a silent full conversion
+            ["--float8-skip", "layers.0.*"],
+            "--float8-skip 'layers.0.*' matches none of the 28 layers float8 could convert "
+            "(e.g. blocks.0.attention.wq",
+        ),
+        (["--delayed-history", "4"], "--delayed-history 4 is used only with --scaling delayed"),
+        (["--scaling", "static", "--no-precompute"], "--no-precompute applies to --scaling"),
+        (["--token-dtype", "uint16"], "--token-dtype uint16 applies to a token file"),
+        (["--recipe", "off", "--scaling", "delayed"], "--scaling has no effect with --recipe off"),
+        (["--recipe", "off", "--fp8-all-gather"], "--fp8-all-gather / --no-fp8-all-gather has"),
+        (["--recipe", "off", "--float8-skip", "blocks.0.*"], "--float8-skip has no effect"),
+        (["--recipe", "off", "--numerics-every", "5"], "--numerics-every has no effect"),
+        (["--recipe", "off", "--emulate"], "--emulate has no effect with --recipe off"),
+        (["--recipe", "off", "--token-dtype", "uint32"], "--token-dtype uint32 applies to a"),
+        (["--steps", "5", "--stop-at-step", "5"], "--stop-at-step 5 is not before --steps 5"),
+        (["--data", __file__, "--cache-dir", "/tmp/x"], "but --data " + __file__ + " is one"),
+    ],
+)
+def test_ignored_flags_are_refused(argv, message, capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_flags_that_act_are_accepted(tmp_path: Path) -> None:
+    out = ["--out", str(tmp_path / "run")]
+    args = parse_args(["--scaling", "static", "--static-scales", "input=4", *out])
+    assert args.static_scales == "input=4"
+    assert parse_args(["--scaling", "delayed", "--delayed-history", "4", *out]).delayed_history == 4
+    assert parse_args(out).delayed_history == 16  # the default, resolved after the checks
+    assert parse_args(["--float8-skip", "blocks.0.*", *out]).float8_skip == ["blocks.0.*"]
+    assert parse_args(["--float8-skip", "*.feed_forward.w2", *out]).float8_skip
+
+
+def test_binary_token_file_without_suffix_is_not_trained_as_text(tmp_path: Path) -> None:
+    path = tmp_path / "corpus"  # uint16 token ids, no .u16.bin suffix
+    (np.arange(5000, dtype=np.uint16) % 200).tofile(path)
+    with pytest.raises(ValueError, match="holds NUL bytes .* looks like a binary token file"):
+        load_tokens(path, cache_dir=tmp_path)
+    data = load_tokens(path, cache_dir=tmp_path, token_dtype="uint16")  # the remedy
+    assert data.tokens.dtype == np.uint16 and len(data.tokens) == 5000
+    text = tmp_path / "notes.txt"
+    text.write_text("plain text\n" * 100)
+    assert load_tokens(text, cache_dir=tmp_path).vocab_size == 256
+
+
+def test_compare_passes_float8_flags_to_float8_runs_only() -> None:
+    from f8train import compare
+
+    args, extra = compare.parse_args(["--configs", "bf16,tensorwise", "--float8-skip", "*.w2"])
+    assert extra == ["--float8-skip", "*.w2"]
+    assert "--float8-skip" not in compare.train_command("bf16", args, extra)
+    assert compare.train_command("tensorwise", args, extra)[-2:] == ["--float8-skip", "*.w2"]
+
+
+def test_block_all_gather_misfits_are_named_before_training(tmp_path: Path, monkeypatch) -> None:
+    """--recipe mxfp8 (float8 all-gather by default) on 2 ranks with 32-row wk/wv used to
+    fail at step 1 on every rank with a ValueError naming no layer and API remedies (also
+    when resuming a 1-rank run on 2 ranks). Now main() stops before any process group,
+    naming each layer and the flags that run."""
+    import torch.distributed as dist
+
+    from f8train import train
+    from tests.f8train.launch import TINY
+
+    out = tmp_path / "run"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as info:
+        train.main([*TINY, "--recipe", "mxfp8", "--out", str(out)])
+    message = str(info.value)
+    assert not dist.is_initialized()
+    assert (
+        "--recipe mxfp8 with float8 all-gather (on by default for this recipe) on 2 shards"
+        in message
+    )
+    assert "whole 32-row blocks (out_features divisible by 64)" in message, message
+    assert "blocks.0.attention.wk (32 rows)" in message
+    assert "--no-fp8-all-gather" in message and "--float8-skip '*.attention.wv'" in message
+    assert "--allow-recipe-change" not in message
+    (out / "checkpoints" / "step_00000002").mkdir(parents=True)  # a 1-rank run's checkpoint
+    (out / "checkpoints" / "step_00000002" / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit, match="add --allow-recipe-change to resume"):
+        train.main([*TINY, "--recipe", "mxfp8", "--out", str(out)])
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one shard takes any rows: no refusal
+    args = train.parse_args([*TINY, "--recipe", "mxfp8", "--out", str(out)])
+    config = train.float8_config(args)
+    assert train.block_all_gather_problem(args, config, 1, resuming=False) is None
