@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 
-.PHONY: venv test test-torch test-slow test-gpu train format
+.PHONY: venv test test-torch test-fakecuda test-slow test-gpu train format
 
 venv: $(STAMP)
 
@@ -43,6 +43,25 @@ $(TVENV)/.installed: pyproject.toml
 test-torch: $(TVENV)/.installed
 	$(TBIN)/python -c "import torch; print('torch', torch.__version__)"
 	$(TBIN)/python -m pytest -q
+
+# The fake-CUDA lane (tests/fakecuda, docs/gpu.md): every CUDA path of the library on fake
+# cuda tensors, under the CUDA build of torch 2.11 (the GPU machines' torch; it runs on a
+# CPU without a driver). Its own venv, .venv-fakecuda: the wheel is a few GB from the
+# registry; the project goes in under a constraint that pins that torch.
+FVENV := .venv-fakecuda
+FBIN := $(FVENV)/bin
+FAKECUDA_TORCH := 2.11.0
+
+$(FVENV)/.installed: pyproject.toml
+	test -x $(FBIN)/python || $(PYTHON) -m venv $(FVENV)
+	$(FBIN)/pip install torch==$(FAKECUDA_TORCH)
+	echo torch==$(FAKECUDA_TORCH) > $(FVENV)/constraints.txt
+	PIP_CONSTRAINT=$(FVENV)/constraints.txt $(FBIN)/pip install -e '.[dev]'
+	touch $@
+
+test-fakecuda: $(FVENV)/.installed
+	$(FBIN)/python -c "import torch; assert torch.version.cuda, 'not a CUDA build'; print('torch', torch.__version__)"
+	$(FBIN)/python -m pytest -m fakecuda tests/fakecuda -v -rf --tb=short
 
 # pytest exits 5 when nothing is collected (no slow/gpu tests yet): not a failure here.
 test-slow: venv

@@ -55,6 +55,10 @@ class CastPlan:
     # broadcasts) and the scale dtype the block GEMM gets (e8m0 for MX)
     blocks: dict[Gemm, tuple]
     scale_dtypes: dict[Gemm, torch.dtype]
+    # a float8 grad_weight GEMM with row or block scales outputs in the activations' dtype
+    # (CUDA row-wise GEMMs give bf16 only; an fp32 weight under autocast gets its bf16
+    # result cast up, as torchao does); tensorwise and high precision: the weight's dtype
+    row_scaled_grad_weight: bool
 
     @classmethod
     def from_config(cls, config: Float8LinearConfig) -> CastPlan:
@@ -71,6 +75,7 @@ class CastPlan:
             scale_dtypes={
                 g: config.cast(GEMM_OPERANDS[g][0], g).granularity().scale_dtype for g in GEMMS
             },
+            row_scaled_grad_weight=_row_scaled(config, Gemm.GRAD_WEIGHT),
         )
 
     def high_precision(self, gemm: Gemm) -> bool:
@@ -87,6 +92,11 @@ class CastPlan:
     def shared(self, operand: Operand) -> bool:
         """The operand's primary cast serves its second GEMM too."""
         return self.shares_cast(operand, PRIMARY_GEMM[operand], SECOND_GEMM[operand])
+
+
+def _row_scaled(config: Float8LinearConfig, gemm: Gemm) -> bool:
+    cast = config.cast(GEMM_OPERANDS[gemm][0], gemm)
+    return cast.enabled and cast.scaling_granularity is not ScalingGranularity.TENSORWISE
 
 
 def _gemm_blocks(config: Float8LinearConfig, gemm: Gemm) -> tuple:

@@ -266,6 +266,8 @@ class Float8LinearConfig:
         check_linear_blocks(
             casts, pad_inner_dim=self.pad_inner_dim, power_of_2=self.round_scales_to_power_of_2
         )
+        if not self.emulate:
+            self._check_no_e5m2_pair()
 
     def _check_second_use(self, operand: Operand) -> None:
         first = self.cast(operand, PRIMARY_GEMM[operand])
@@ -280,6 +282,18 @@ class Float8LinearConfig:
                 "delayed and static scaling keep one scale per operand, so both uses must "
                 "share the scaling type (or disable the second use)"
             )
+
+    def _check_no_e5m2_pair(self) -> None:
+        """CUDA float8 GEMMs (cuBLASLt) refuse e5m2 x e5m2; CPU and emulation take it."""
+        for gemm, (left, right) in GEMM_OPERANDS.items():
+            casts = (self.cast(left, gemm), self.cast(right, gemm))
+            if all(c.enabled and c.target_dtype == E5M2 for c in casts):
+                raise ValueError(
+                    f"the {gemm.value} GEMM multiplies {left.value} and {right.value}, both "
+                    "float8_e5m2: CUDA torch._scaled_mm refuses two e5m2 operands. Make one of "
+                    "them float8_e4m3fn (CastConfig(target_dtype=torch.float8_e4m3fn)), or set "
+                    "emulate=True"
+                )
 
     def _check_fsdp_all_gather(self) -> None:
         """The gathered weight serves both weight GEMMs. Tensorwise: one scale for both

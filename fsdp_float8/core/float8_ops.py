@@ -11,7 +11,8 @@ Any op not in the table raises, naming the op: we never silently dequantize.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -393,10 +394,27 @@ def _pad_to_16(a_data, b_data, inv_b, pad_inner_dim: bool, cuda: bool):
     return a_data, b_data, inv_b
 
 
+_CUDA_RULES_ON_CPU = False
+
+
+@contextlib.contextmanager
+def cuda_gemm_rules_on_cpu() -> Iterator[None]:
+    """Inside, CPU float8 GEMMs (not emulated) refuse what CUDA `torch._scaled_mm` refuses
+    (`check_gemm_supported`), so a CPU test sees a call that would fail on a GPU. Off by
+    default: the CPU kernel itself takes any output dtype, and CPU runs use it in float32."""
+    global _CUDA_RULES_ON_CPU
+    before, _CUDA_RULES_ON_CPU = _CUDA_RULES_ON_CPU, True
+    try:
+        yield
+    finally:
+        _CUDA_RULES_ON_CPU = before
+
+
 def check_gemm_supported(device_type: str, *, rowwise: bool, out_dtype: torch.dtype) -> None:
-    """Refuse a float8 GEMM that CUDA torch._scaled_mm cannot run (checked on any device,
-    so CPU tests see the same rule): row-wise scales give a bfloat16 output only."""
-    if device_type == "cuda" and rowwise and out_dtype != torch.bfloat16:
+    """Refuse a float8 GEMM that CUDA torch._scaled_mm cannot run: row-wise scales give a
+    bfloat16 output only. Always on CUDA; on CPU inside `cuda_gemm_rules_on_cpu()`."""
+    enforced = device_type == "cuda" or (device_type == "cpu" and _CUDA_RULES_ON_CPU)
+    if enforced and rowwise and out_dtype != torch.bfloat16:
         raise ValueError(
             f"a rowwise-scaled float8 GEMM on CUDA asks for a {out_dtype} output, but "
             "torch._scaled_mm with row-wise scales produces bfloat16 only; train with "

@@ -141,7 +141,9 @@ class _Float8GroupedExpertsFn(torch.autograd.Function):
         go_gw = cast_expert_operand(grad_out, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, offs)
         x_gw = cast_expert_operand(x, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, offs)
         go_t = (go_gw[0].t(), go_gw[1])  # (N, M) with its per-(expert, row) scale (E, N)
-        grad_w = _gemm(go_t, x_gw, offs, Gemm.GRAD_WEIGHT, plan, weight.dtype)
+        # row-scaled: the activations' dtype, cast up (the grouped kernel gives bf16 only)
+        gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
+        grad_w = _gemm(go_t, x_gw, offs, Gemm.GRAD_WEIGHT, plan, gw_dtype).to(weight.dtype)
         return grad_x, grad_w, None, None
 
 
@@ -151,7 +153,11 @@ def float8_grouped_mm(
     """`x (M, in)` grouped by `offs` times each expert's `weight[e].T`: `(M, out)`, in
     float8 as `plan` says, differentiable in x and weight."""
     _check_operands(x, weight, offs)
-    return _Float8GroupedExpertsFn.apply(x, weight, offs, plan)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # as Float8Linear: GEMMs in the autocast dtype
+        x = x.to(torch.get_autocast_dtype(device))
+    with torch.autocast(device, enabled=False):
+        return _Float8GroupedExpertsFn.apply(x, weight, offs, plan)
 
 
 def _check_operands(x, weight, offs) -> None:

@@ -166,21 +166,61 @@ def _loop_scaled_mm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum, pad_inn
 
 def _cuda_scaled_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum):
     """`torch._scaled_grouped_mm`: a row-major, b column-major per group, inverse scales
-    squeezed: (M,) and (E, N) for 2-D x 3-D; (E*R,) and (E*C,) for 2-D x 2-D."""
+    squeezed: (M,) and (E, N) for 2-D x 3-D; (E*R,) and (E*C,) for 2-D x 2-D. The kernel
+    takes row scales only: a 0-d (tensorwise) scale goes in as equal row scales, the same
+    product (rowwise_with_gw_hp's grad_input weight is tensorwise)."""
     if not scaled_grouped_mm_available(a.device):
         raise ValueError(
             f"float8 grouped GEMM on {a.device}: torch._scaled_grouped_mm needs a CUDA device "
             "of compute capability 9.0+ and a torch that has it; set "
             "Float8LinearConfig(emulate=True) or keep the experts in bf16"
         )
-    if a_scale.dim() == 0 or b_scale.dim() == 0 or out_dtype != torch.bfloat16:
+    e4m3 = torch.float8_e4m3fn
+    if a.dtype != e4m3 or b.dtype != e4m3 or out_dtype != torch.bfloat16:
         raise ValueError(
-            f"torch._scaled_grouped_mm takes rowwise scales and a bfloat16 output; got scales "
-            f"of shapes {tuple(a_scale.shape)}, {tuple(b_scale.shape)} and {out_dtype}. Use "
-            "the 'rowwise' recipe with bfloat16 activations, or emulate=True"
+            f"torch._scaled_grouped_mm takes e4m3 operands and gives a bfloat16 output; got "
+            f"{a.dtype} x {b.dtype} -> {out_dtype}. Use the 'rowwise' or 'rowwise_with_gw_hp' "
+            "recipe (e4m3 everywhere) with bfloat16 activations, or emulate=True"
         )
-    inv_a, inv_b = a_scale.reciprocal().reshape(-1), b_scale.reciprocal()
-    inv_b = inv_b.reshape(b.shape[0], -1) if b.dim() == 3 else inv_b.reshape(-1)
+    groups = offs.numel()
+    if b.dim() == 3:  # a (M, K) per token row; b (E, K, N) per expert and column
+        a_rows, b_rows = (a.shape[0],), (b.shape[0], b.shape[2])
+    else:  # a (R, M) per group and row; b (M, C) per group and column
+        a_rows, b_rows = (groups * a.shape[0],), (groups * b.shape[1],)
+        a, b, offs = align_token_groups(a, b, offs)
+    inv_a = _row_inverse(a_scale, a_rows)
+    inv_b = _row_inverse(b_scale, b_rows)
     return torch._scaled_grouped_mm(
         a, b, inv_a, inv_b, offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum
     )
+
+
+def _row_inverse(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """1 / scale as the kernel's dense float32 row scales of `shape` (a 0-d scale repeated)."""
+    inv = scale.reciprocal()
+    if inv.dim() == 0:
+        return inv.expand(shape).contiguous()
+    return inv.reshape(shape)
+
+
+_ALIGN = 16  # float8 bytes: the grouped kernel's stride and group-start alignment
+
+
+def align_token_groups(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
+    """2-D x 2-D (contracting over each group's tokens): `a (R, M)`, `b (M, C)` re-laid so
+    that every group starts at a multiple of 16 tokens and the token stride is one too (the
+    CUDA kernel's 16-byte rule), with zero tokens in the gaps (they add nothing). Returns
+    (a, b column-major, offs); the padded size is a static bound, so no host sync."""
+    m = a.shape[1]
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = (counts + _ALIGN - 1) // _ALIGN * _ALIGN
+    new_offs = torch.cumsum(padded, 0).to(torch.int32)
+    group = expert_of_rows(offs, m)
+    shift = (new_offs - padded) - (offs - counts)  # new start - old start, per group
+    pos = torch.arange(m, device=a.device) + shift[group].to(torch.int64)
+    size = -(-(m + (_ALIGN - 1) * offs.numel()) // _ALIGN) * _ALIGN
+    a_bytes = a.view(torch.uint8).new_zeros(a.shape[0], size)
+    a_new = a_bytes.index_copy_(1, pos, a.view(torch.uint8)).view(a.dtype)
+    bt = b.t().contiguous().view(torch.uint8)  # (C, M): the column-major b, row by row
+    b_new = bt.new_zeros(bt.shape[0], size).index_copy_(1, pos, bt).view(b.dtype).t()
+    return a_new, b_new, new_offs

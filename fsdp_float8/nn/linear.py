@@ -123,7 +123,8 @@ class _Float8LinearFn(torch.autograd.Function):
             x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
         else:
             x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
-        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, weight.dtype)
+        gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
+        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype).to(weight.dtype)
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
 
 

@@ -272,3 +272,27 @@ def test_static_scale_range_edges_are_usable() -> None:
         cfg = CastConfig(scaling_type="static", static_scale=scale, target_dtype=E4M3)
         s = torch.tensor(cfg.static_scale, dtype=torch.float32)
         assert torch.isfinite(448.0 / s) and s.reciprocal() > 0
+
+
+@pytest.mark.parametrize(
+    "fields,gemm",
+    [
+        ({"cast_config_input": CastConfig(target_dtype=E5M2)}, "grad_weight"),
+        ({"cast_config_weight": CastConfig(target_dtype=E5M2)}, "grad_input"),
+        (
+            {
+                "cast_config_input": CastConfig(target_dtype=E5M2),
+                "cast_config_weight": CastConfig(target_dtype=E5M2),
+                "cast_config_grad_output": CastConfig(target_dtype=E4M3),
+            },
+            "output",
+        ),
+    ],
+)
+def test_two_e5m2_operands_of_a_gemm_are_refused_at_build(fields, gemm) -> None:
+    # CUDA torch._scaled_mm refuses e5m2 x e5m2 (the CPU kernel runs it): refuse it before
+    # a GPU does, unless the GEMMs are emulated
+    with pytest.raises(ValueError, match=f"the {gemm} GEMM .* both float8_e5m2") as info:
+        Float8LinearConfig(**fields)
+    assert "float8_e4m3fn" in str(info.value) and "emulate=True" in str(info.value)
+    Float8LinearConfig(**fields, emulate=True)

@@ -185,3 +185,55 @@ def test_refuses_block_scaled_expert_casts(recipe):
     config = Float8LinearConfig.from_recipe_name(recipe)
     with pytest.raises(ValueError, match="block-scaled float8 expert GEMMs are not supported"):
         ExpertCastPlan.from_config(config)
+
+
+@pytest.mark.parametrize("three_d", [True, False], ids=["2d_x_3d", "2d_x_2d"])
+def test_cuda_grouped_gemm_gets_row_scales_for_a_tensorwise_operand(monkeypatch, three_d):
+    """torch._scaled_grouped_mm takes row scales only: a 0-d scale (rowwise_with_gw_hp's
+    tensorwise grad_input weight) goes in repeated per row, float32, in the kernel's shapes."""
+    from fsdp_float8.experts import grouped_mm
+
+    seen = {}
+
+    def kernel(a, b, inv_a, inv_b, *, offs, out_dtype, use_fast_accum):
+        seen.update(inv_a=inv_a, inv_b=inv_b)
+        return torch.empty(0)
+
+    monkeypatch.setattr(grouped_mm, "scaled_grouped_mm_available", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", kernel, raising=False)
+    offs = _offs([7, 0, 40, 17])
+    m = int(offs[-1])
+    a = torch.randn(m, K).to(E4M3) if three_d else torch.randn(N, m).to(E4M3)
+    b = torch.randn(E, K, N).to(E4M3) if three_d else torch.randn(m, K).to(E4M3)
+    a_scale = torch.rand(m, 1) + 1 if three_d else torch.rand(E, N) + 1
+    b_scale = torch.tensor(4.0)
+    grouped_mm._cuda_scaled_grouped_mm(a, a_scale, b, b_scale, offs, torch.bfloat16, False)
+    rows_b = (E, N) if three_d else (E * K,)
+    assert seen["inv_a"].shape == (a_scale.numel(),)
+    assert seen["inv_b"].shape == rows_b and seen["inv_b"].is_contiguous()
+    assert seen["inv_b"].dtype == torch.float32 and bool((seen["inv_b"] == 0.25).all())
+    with pytest.raises(ValueError, match="e4m3 operands"):  # e5m2 (tensorwise grad_output)
+        grouped_mm._cuda_scaled_grouped_mm(
+            a.to(torch.float8_e5m2), a_scale, b, b_scale, offs, torch.bfloat16, False
+        )
+
+
+def test_align_token_groups_starts_every_group_at_16_tokens():
+    """The CUDA 2-D x 2-D layout (grad_weight): each group's tokens moved to a 16-aligned
+    start, byte for byte, zeros in the gaps, so the per-group products are unchanged."""
+    from fsdp_float8.experts.grouped_mm import align_token_groups
+
+    counts = [7, 0, 40, 17]
+    offs, m = _offs(counts), sum(counts)
+    a = torch.randn(N, m).to(E4M3)
+    b = torch.randn(m, K).to(E4M3).t().contiguous().t()  # column-major, as the kernel has it
+    a2, b2, offs2 = align_token_groups(a, b, offs)
+    assert offs2.tolist() == [16, 16, 64, 96] and b2.t().is_contiguous()
+    assert a2.shape[1] % 16 == 0 and a2.shape[1] >= 96
+    starts, new_starts = [0, *offs.tolist()[:-1]], [0, *offs2.tolist()[:-1]]
+    raw = lambda t: t.view(torch.uint8)  # noqa: E731
+    for count, s, s2 in zip(counts, starts, new_starts):
+        assert torch.equal(raw(a2[:, s2 : s2 + count]), raw(a[:, s : s + count]))
+        assert torch.equal(raw(b2[s2 : s2 + count]), raw(b[s : s + count]))
+    assert int(raw(a2).count_nonzero()) == int(raw(a).count_nonzero())  # gaps: zeros
+    assert int(raw(b2).count_nonzero()) == int(raw(b).count_nonzero())

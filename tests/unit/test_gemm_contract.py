@@ -4,7 +4,8 @@
   not, so a stand-in `torch._scaled_mm` that enforces the CUDA shape and layout rules runs a
   `Linear(32, 2)` head (and other odd shapes) with `pad_inner_dim=True`: outputs and
   gradients keep their shapes and the float8 SQNR bars.
-- Rowwise GEMMs with a non-bf16 output are refused on CUDA with a remedy.
+- Rowwise GEMMs with a non-bf16 output are refused on CUDA with a remedy, and on CPU
+  inside `cuda_gemm_rules_on_cpu()`; float32 weights under autocast never ask for one.
 - A CUDA device below compute capability 8.9 is refused at convert time, naming
   `emulate=True`.
 - FSDP2 CPU offload with float8 all-gather is refused at the first all-gather.
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr_db
-from fsdp_float8.core.float8_ops import check_gemm_supported
+from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
+from fsdp_float8.core.float8_ops import check_gemm_supported, cuda_gemm_rules_on_cpu
 from fsdp_float8.core.numerics import SQNR_DB
 
 _real_scaled_mm = torch._scaled_mm
@@ -35,6 +37,7 @@ def _cuda_contract_scaled_mm(a, b, scale_a, scale_b, **kwargs):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("dims", [(32, 2), (20, 24), (48, 17)], ids=str)
 def test_pad_inner_dim_pads_k_and_n_for_the_cuda_contract(monkeypatch, recipe, dims):
+    cpu_scaled_mm_takes_row_scales()  # its one-off probe GEMM (2x16x2) is not the layer's
     monkeypatch.setattr(torch, "_scaled_mm", _cuda_contract_scaled_mm)
     in_features, out_features = dims
     torch.manual_seed(0)
@@ -61,6 +64,32 @@ def test_rowwise_gemm_with_float32_output_is_refused_on_cuda():
     check_gemm_supported("cuda", rowwise=True, out_dtype=torch.bfloat16)
     check_gemm_supported("cuda", rowwise=False, out_dtype=torch.float32)
     check_gemm_supported("cpu", rowwise=True, out_dtype=torch.float32)
+    with cuda_gemm_rules_on_cpu(), pytest.raises(ValueError, match="bfloat16 only"):
+        check_gemm_supported("cpu", rowwise=True, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_float32_weights_under_autocast_keep_the_cuda_output_rule(recipe):
+    # all three GEMMs of an fp32-weight layer under bf16 autocast must ask for a dtype the
+    # row-wise CUDA kernel gives (bf16); grad_weight used to ask for the weight's fp32
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 32, bias=False)
+    layer = Float8Linear.from_float(
+        nn.Linear(64, 32, bias=False), Float8LinearConfig.from_recipe_name(recipe)
+    )
+    layer.weight = nn.Parameter(ref.weight.detach().clone())
+    x = torch.randn(48, 64)
+    grad = torch.randn(48, 32, dtype=torch.bfloat16)
+    with cuda_gemm_rules_on_cpu():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+            out.backward(grad)
+        with pytest.raises(ValueError, match="bfloat16 only"):  # the rule is on: fp32 refused
+            layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref(x).backward(grad)
+    assert out.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.float32
+    assert sqnr_db(ref.weight.grad, layer.weight.grad) >= SQNR_DB["linear_grad_weight"]
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6)])
