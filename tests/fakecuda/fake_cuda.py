@@ -14,8 +14,10 @@ shapes and dtypes as the CUDA op does (`torch._scaled_mm`: "mat2 must be col_maj
   `CudaRuleBroken`, whose message starts with the rule's name; so does a meta kernel's
   refusal of a float8 GEMM;
 - values: a fake tensor has none, so reading one (`.item()`, `bool(t)`, `torch.equal`)
-  gives a placeholder (True, 1.0, 0): value assertions pass vacuously. This lane checks
-  that every CUDA call is one the kernels accept, never numbers (tests/gpu does, on a GPU).
+  gives a placeholder: 1.0, 0, and `truth` for a bool (False by default, so a library check
+  `if bad.any(): raise` and a redraw loop `while x.any()` pass; True to run a test whose
+  value assertions then pass vacuously). This lane checks that every CUDA call is one the
+  kernels accept, never numbers (tests/gpu does that, on a GPU).
 
 Backward: the C++ autograd engine needs a CUDA context for cuda tensors, so `backward`
 walks the graph in Python, as the engine would: nodes in reverse topological order, each
@@ -26,7 +28,9 @@ validate_outputs does), leaf gradients accumulated into `.grad`. Tensor hooks do
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -112,20 +116,22 @@ class _CudaKernelRules(TorchDispatchMode):
     """Above FakeTensorMode: applies KERNEL_RULES, names a meta kernel's GEMM refusal as a
     broken rule, and answers value reads with placeholders."""
 
-    def __init__(self, capability: tuple[int, int]):
+    def __init__(self, capability: tuple[int, int], truth: bool):
         super().__init__()
         self.capability = capability
+        self.truth = truth
         self.calls: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name == "_local_scalar_dense":
-            return _placeholder(args[0].dtype)
-        if name == "record_stream":
-            return None
+            return _placeholder(args[0].dtype, self.truth)
         if name in ("equal", "is_nonzero"):
-            return True
+            return self.truth
+        if name == "bincount":  # data-dependent size: assume every value < minlength
+            return torch.zeros(kwargs.get("minlength", args[2] if len(args) > 2 else 0),
+                               dtype=torch.int64, device=args[0].device)  # fmt: skip
         on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
         if name in KERNEL_RULES and on_cuda:
             KERNEL_RULES[name](self.capability, args, kwargs)
@@ -139,18 +145,58 @@ class _CudaKernelRules(TorchDispatchMode):
             raise
 
 
-def _placeholder(dtype: torch.dtype):
+class _HookedGraph:
+    """What the C++ engine would run besides the nodes: tensor hooks registered on
+    non-leaf tensors (FSDP2's pre-backward) and callbacks queued for the end of backward
+    (FSDP2's root post-backward)."""
+
+    def __init__(self):
+        self.hooks: dict = defaultdict(list)  # grad_fn -> [(output_nr, hook)]
+        self.callbacks: list[Callable] = []
+        self.tensor_inputs: dict = {}  # custom Function node -> which inputs are tensors
+        self._register = torch.Tensor.register_hook
+
+    def register_hook(self, tensor: torch.Tensor, hook):
+        if tensor.grad_fn is not None:
+            self.hooks[tensor.grad_fn].append((tensor.output_nr, hook))
+        return self._register(tensor, hook)
+
+    def queue_callback(self, callback: Callable) -> None:
+        self.callbacks.append(callback)
+
+    def function_apply(self, cls, *args, **kwargs):
+        """autograd.Function.apply, noting which inputs are tensors: backward returns one
+        value per input, the graph has an edge per tensor input only."""
+        out = _FUNCTION_APPLY(cls, *args, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        node = next((o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn), None)
+        if node is not None:
+            self.tensor_inputs[node] = [isinstance(a, torch.Tensor) for a in args]
+        return out
+
+
+_GRAPH: _HookedGraph | None = None
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+
+
+def _placeholder(dtype: torch.dtype, truth: bool):
     if dtype == torch.bool:
-        return True
+        return truth
     return 1.0 if dtype.is_floating_point else 0
 
 
 @contextlib.contextmanager
-def fake_cuda(capability: tuple[int, int] = H200) -> Iterator[_CudaKernelRules]:
+def fake_cuda(
+    capability: tuple[int, int] = H200, *, truth: bool = False
+) -> Iterator[_CudaKernelRules]:
     """Fake cuda tensors with the CUDA kernels' rules; yields the rules mode (`.calls`
     counts the aten ops that ran on cuda, by name)."""
-    rules = _CudaKernelRules(tuple(capability))
+    global _GRAPH
+    rules = _CudaKernelRules(tuple(capability), truth)
     amp = torch.cuda.amp.common
+    graph = _GRAPH = _HookedGraph()
+    engine = mock.Mock(wraps=torch.autograd.Variable._execution_engine)
+    engine.queue_callback = graph.queue_callback
     # FakeTensorMode logs each meta kernel's refusal at ERROR level before it is raised
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     with (
@@ -158,6 +204,11 @@ def fake_cuda(capability: tuple[int, int] = H200) -> Iterator[_CudaKernelRules]:
         mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: capability),
         mock.patch.object(amp, "amp_definitely_not_available", lambda: False),
         mock.patch.object(torch.cuda, "is_bf16_supported", lambda *a, **k: True),
+        mock.patch.object(
+            torch.Tensor, "register_hook", lambda t, hook: graph.register_hook(t, hook)
+        ),
+        mock.patch.object(torch.autograd.Variable, "_execution_engine", engine),
+        mock.patch.object(torch.autograd.Function, "apply", classmethod(graph.function_apply)),
         FakeTensorMode(allow_non_fake_inputs=True),
         rules,
     ):
@@ -178,24 +229,35 @@ def backward(outputs, grads=None) -> None:
             continue
         roots.append(out.grad_fn)
         _add(pending[out.grad_fn], out.output_nr, grad)
-    for node in _reverse_topological(roots):
-        given = pending.pop(node, {})
-        if type(node).__name__ == "AccumulateGrad":
-            if 0 in given:
-                _accumulate(node.variable, given[0])
-            continue
-        inputs = [given.get(i) for i in range(len(node._input_metadata))]
-        if hasattr(node, "_forward_cls"):  # a custom autograd.Function
-            results = node.apply(*inputs)
-        else:
-            inputs = [
-                g if g is not None else _zeros(m) for g, m in zip(inputs, node._input_metadata)
-            ]
-            results = node(*inputs)
+    for node in _engine_order(roots):
+        _run_node(node, pending.pop(node, {}), pending)
+    while _GRAPH is not None and _GRAPH.callbacks:
+        _GRAPH.callbacks.pop(0)()
+
+
+def _run_node(node, given: dict, pending: dict) -> None:
+    for nr, hook in _GRAPH.hooks.get(node, ()) if _GRAPH is not None else ():
+        if nr in given:
+            changed = hook(given[nr])
+            given[nr] = given[nr] if changed is None else changed
+    if type(node).__name__ == "AccumulateGrad":
+        if 0 in given:
+            _accumulate(node.variable, given[0])
+        return
+    metadata = node._input_metadata
+    inputs = [given.get(i) for i in range(len(metadata))]
+    if hasattr(node, "_forward_cls"):  # a custom autograd.Function
+        results = node.apply(*inputs)
         results = results if isinstance(results, tuple) else (results,)
-        for (nxt, nr), grad in zip(node.next_functions, results):
-            if nxt is not None and grad is not None:
-                _add(pending[nxt], nr, _fit(grad, nxt._input_metadata[nr]))
+        mask = _GRAPH.tensor_inputs.get(node) if _GRAPH is not None else None
+        if mask is not None and len(mask) == len(results):
+            results = tuple(r for r, is_tensor in zip(results, mask) if is_tensor)
+    else:
+        results = node(*[g if g is not None else _zeros(m) for g, m in zip(inputs, metadata)])
+    results = results if isinstance(results, tuple) else (results,)
+    for (nxt, nr), grad in zip(node.next_functions, results):
+        if nxt is not None and grad is not None:
+            _add(pending[nxt], nr, _fit(grad, nxt._input_metadata[nr]))
 
 
 def _zeros(meta) -> torch.Tensor:
@@ -221,20 +283,35 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         leaf.grad = grad.detach() if leaf.grad is None else leaf.grad + grad
 
 
-def _reverse_topological(roots) -> list:
-    """Nodes reachable from `roots`, each after every node that feeds it a gradient."""
-    order, state = [], {}
-    for root in roots:
-        stack = [(root, False)]
-        while stack:
-            node, done = stack.pop()
-            if done:
-                state[node] = 2
-                order.append(node)
+def _engine_order(roots) -> list:
+    """The order the engine runs the nodes reachable from `roots`: a node once every node
+    feeding it a gradient has run, the ready one with the highest sequence number first
+    (AccumulateGrad before all: FSDP2's post-backward reads the accumulated gradients)."""
+    deps: dict = defaultdict(int)
+    seen, stack = set(roots), list(roots)
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is None:
                 continue
-            if node in state:
-                continue
-            state[node] = 1
-            stack.append((node, True))
-            stack.extend((n, False) for n, _ in node.next_functions if n is not None)
-    return order[::-1]
+            deps[nxt] += 1
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    ready = [(_priority(n), id(n), n) for n in roots if deps[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        node = heapq.heappop(ready)[2]
+        order.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                deps[nxt] -= 1
+                if deps[nxt] == 0:
+                    heapq.heappush(ready, (_priority(nxt), id(nxt), nxt))
+    return order
+
+
+def _priority(node) -> float:
+    if type(node).__name__ == "AccumulateGrad":
+        return -math.inf
+    return -node._sequence_nr()

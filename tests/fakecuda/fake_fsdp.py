@@ -1,0 +1,103 @@
+"""FSDP2 on fake cuda: a fake process group and do-nothing CUDA streams.
+
+Mental model: PyTorch's own FSDP2 tracing tests run FSDP2 on `FakeStore` with backend
+"fake": every collective returns at once without moving data, so one process plays rank r
+of a world of any size, and the all-gather / reduce-scatter buffers FSDP2 builds (shapes,
+dtypes, the float8 weight wrappers' hooks) are those of that rank. The device mesh is
+built outside fake mode. FSDP2 asks CUDA for the current device and makes streams and
+events for its copy-in and reduce-scatter; here those are stand-ins that order nothing
+(stream ordering is what tests/gpu runs under the CUDA sanitizer on a real GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream(_Event):
+    def __init__(self, *args, priority: int = 0, **kwargs):
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def fake_streams() -> Iterator[None]:
+    """CUDA device, stream and event calls answered without a driver."""
+    default = _Stream()
+    patches = {
+        "current_device": lambda: 0,
+        "device_count": lambda: 8,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda device=None: default,
+        "default_stream": lambda device=None: default,
+        "stream": lambda stream: contextlib.nullcontext(),
+    }
+    with contextlib.ExitStack() as stack:
+        for name, value in patches.items():
+            stack.enter_context(mock.patch.object(torch.cuda, name, value))
+        accelerator = {
+            "current_stream": lambda device=None: default,
+            "synchronize": lambda device=None: None,
+        }
+        for name, value in accelerator.items():
+            stack.enter_context(mock.patch.object(torch.accelerator, name, value))
+        stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", lambda t, s: None))
+        yield
+
+
+@contextlib.contextmanager
+def fake_world(shape: tuple[int, ...], names: tuple[str, ...] | None = None, rank: int = 1):
+    """A fake process group of prod(shape) ranks, this process rank `rank`; yields the
+    cuda mesh (built before any fake mode, as it must be)."""
+    world = 1
+    for size in shape:
+        world *= size
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        with fake_streams():
+            mesh: DeviceMesh = init_device_mesh("cuda", shape, mesh_dim_names=names)
+            yield mesh
+    finally:
+        dist.destroy_process_group()
