@@ -1,0 +1,144 @@
+"""The documents a user reads: README.md stays short, every relative link in README.md and
+docs/*.md resolves (file and, when given, heading anchor), and every `make`, `python -m`
+and `torchrun` command in their code (fenced or inline) names a make
+target that exists and only flags that the target's `--help` lists."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+README_MAX_LINES = 300
+PACKAGE = "f8train"
+# flags a script accepts without listing them: compare passes unknown flags to each run
+PASS_THROUGH = {f"{PACKAGE}.compare": f"{PACKAGE}.train"}
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_anchor(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def _links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def test_readme_is_short():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it to {README_MAX_LINES}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(doc):
+    broken = []
+    for link in _links(doc):
+        if re.match(r"[a-z]+:", link):  # http:, https:, mailto:
+            continue
+        target, _, anchor = link.partition("#")
+        path = (doc.parent / target).resolve() if target else doc
+        if not path.exists():
+            broken.append(f"{link}: no file {path}")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{link}: no heading with anchor #{anchor} in {path.name}")
+    assert broken == [], f"{doc.name}: broken links"
+
+
+def _commands(doc: Path) -> list[str]:
+    """Commands in fenced blocks (continuation lines joined, comments cut) and in inline
+    code that start with make, python -m or torchrun."""
+    text = doc.read_text()
+    lines = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    found = []
+    for line in lines:
+        line = line.split(" #")[0].strip()
+        if re.match(r"(make |python -m |torchrun )", line):
+            found.append(line)
+    return found
+
+
+@cache
+def _help(module: str) -> str:
+    if module == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        return get_args_parser().format_help()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    return (
+        out.getvalue() + _help(PASS_THROUGH[module]) if module in PASS_THROUGH else out.getvalue()
+    )
+
+
+def _make_targets() -> set[str]:
+    return set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), flags=re.M))
+
+
+def _flags(words: list[str]) -> list[str]:
+    return [w.split("=")[0] for w in words if w.startswith("--")]
+
+
+def _missing(flags: list[str], help_text: str) -> list[str]:
+    return [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", help_text)]
+
+
+def _check(command: str) -> list[str]:
+    words = shlex.split(command)
+    if words[0] == "make":
+        targets = [w for w in words[1:] if "=" not in w]
+        return [f"no make target {t}" for t in targets if t not in _make_targets()]
+    if "-m" not in words:
+        return []  # torchrun --help and the like
+    i = words.index("-m")
+    module, runner, args = words[i + 1], words[: i + 1], words[i + 2 :]
+    problems = []
+    if words[0] == "torchrun":
+        runner_help = _help("torchrun")
+        problems += [f"torchrun has no {f}" for f in _missing(_flags(runner), runner_help)]
+    if module.split(".")[0] != PACKAGE or module.split(".")[-1].isupper():  # NAME: a placeholder
+        return problems
+    if not (REPO / (module.replace(".", "/") + ".py")).exists():
+        return [*problems, f"no module {module}"]
+    module_help = _help(module)
+    return problems + [f"{module} has no {f}" for f in _missing(_flags(args), module_help)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_commands_name_existing_targets_and_flags(doc):
+    problems = {c: p for c in _commands(doc) if (p := _check(c))}
+    assert problems == {}, f"{doc.name}: commands that would not run as written"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_named_files_and_tests_exist(doc):
+    """Repository paths in inline code (`fsdp_float8/...`, `tests/...py::test_name`) exist."""
+    missing = []
+    for code in re.findall(r"`([^`\s]+)`", doc.read_text()):
+        path, _, test = code.partition("::")
+        if not re.match(rf"(fsdp_float8|{PACKAGE}|tests|docs)/", path) or re.search(r"[*{<]", path):
+            continue
+        file = REPO / path.rstrip("/")
+        if not file.exists():
+            missing.append(code)
+        elif test and not re.search(rf"def {re.escape(test.split('[')[0])}\(", file.read_text()):
+            missing.append(code)
+    assert missing == [], f"{doc.name} names paths or tests that do not exist"
