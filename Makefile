@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 
-.PHONY: venv test test-torch test-fakecuda test-slow test-gpu train format
+.PHONY: venv test test-torch test-fakecuda test-extras test-slow test-gpu train format
 
 venv: $(STAMP)
 
@@ -62,6 +62,24 @@ $(FVENV)/.installed: pyproject.toml
 test-fakecuda: $(FVENV)/.installed
 	$(FBIN)/python -c "import torch; assert torch.version.cuda, 'not a CUDA build'; print('torch', torch.__version__)"
 	$(FBIN)/python -m pytest -m fakecuda tests/fakecuda -v -rf --tb=short
+
+# The extras lane: the tests marked `extras` (torchao, transformers, torchtitan, accelerate,
+# matplotlib) in a second venv, .venv-extras. torch==2.13.0 (the CPU wheel) is installed
+# first and every later install runs under .ci/torch-pin.txt, so pip can never pull a CUDA
+# build; the extras come at the versions in .ci/extras.txt. There a skip is a failure
+# (FSDP_FLOAT8_EXTRAS_LANE=1, see tests/conftest.py).
+EVENV := .venv-extras
+EBIN := $(EVENV)/bin
+
+$(EVENV)/.installed: pyproject.toml .ci/extras.txt .ci/torch-pin.txt
+	test -x $(EBIN)/python || $(PYTHON) -m venv $(EVENV)
+	PIP_CONSTRAINT=.ci/torch-pin.txt $(EBIN)/pip install torch==2.13.0
+	PIP_CONSTRAINT=.ci/torch-pin.txt $(EBIN)/pip install -r .ci/extras.txt -e '.[dev]'
+	touch $@
+
+test-extras: $(EVENV)/.installed
+	$(EBIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	FSDP_FLOAT8_EXTRAS_LANE=1 $(EBIN)/python -m pytest -q -m "extras and not gpu"
 
 # pytest exits 5 when nothing is collected (no slow/gpu tests yet): not a failure here.
 test-slow: venv

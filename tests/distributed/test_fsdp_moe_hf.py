@@ -67,6 +67,7 @@ def _both(rank: int, world_size: int):
     return _train(rank, world_size, False), _train(rank, world_size, True)
 
 
+@pytest.mark.extras
 def test_qwen3_moe_float8_experts_track_bf16_for_20_steps(tmp_path):
     pytest.importorskip("transformers", minversion="5.0")
     (bf16, _), (fp8, report) = run_distributed(_both, 2, tmp_path, timeout_s=300)[0]

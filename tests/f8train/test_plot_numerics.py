@@ -14,6 +14,7 @@ from fsdp_float8.tools.telemetry import Float8Telemetry, append_jsonl
 from tests.unit.test_telemetry import _model, _train_step
 
 
+@pytest.mark.extras
 def test_plot_script_writes_png(tmp_path, monkeypatch):
     model = _model(Float8LinearConfig.rowwise())
     tel = Float8Telemetry(model, every=2, all_casts=True)

@@ -139,6 +139,7 @@ def _hf_model(kind: str):
     return transformers.MixtralForCausalLM(config)
 
 
+@pytest.mark.extras
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_transformers_fused_experts_convert(kind):
     model = _hf_model(kind)
@@ -152,6 +153,7 @@ def test_transformers_fused_experts_convert(kind):
     assert sqnr_db(ref, out) >= SQNR_DB["linear_output"]
 
 
+@pytest.mark.extras
 def test_transformers_experts_with_biases_are_skipped_with_the_reason():
     model = _hf_model("qwen3_moe")
     model.model.layers[0].mlp.experts.has_bias = True
@@ -161,6 +163,7 @@ def test_transformers_experts_with_biases_are_skipped_with_the_reason():
     assert "{'has_bias': True}" in skipped["model.layers.0.mlp.experts"]
 
 
+@pytest.mark.extras
 def test_fused_experts_drop_the_not_routed_marker():
     """transformers marks a slot routed to no local expert with index num_experts."""
     model = _hf_model("qwen3_moe")

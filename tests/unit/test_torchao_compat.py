@@ -215,6 +215,7 @@ def _fields(obj) -> dict:
     return out
 
 
+@pytest.mark.extras
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_resolved_configs_agree_with_torchao_field_by_field(recipe: str) -> None:
     ao = pytest.importorskip("torchao.float8")
@@ -227,6 +228,7 @@ def test_resolved_configs_agree_with_torchao_field_by_field(recipe: str) -> None
             assert ours[name] == value, name
 
 
+@pytest.mark.extras
 def test_field_order_agrees_with_torchao() -> None:
     ao = pytest.importorskip("torchao.float8")
     for theirs, ours in (
@@ -245,6 +247,7 @@ def test_field_order_agrees_with_torchao() -> None:
             assert hasattr(__import__("fsdp_float8"), name), name
 
 
+@pytest.mark.extras
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_same_numerics_as_torchao_emulated(recipe: str) -> None:
     """Where torchao imports: the same model converted by both libraries gives the same
