@@ -52,7 +52,9 @@ def build() -> nn.Module:
     model = Tiny()
     config = Float8LinearConfig.from_recipe_name("tensorwise", enable_fsdp_float8_all_gather=True)
     # the head stays in high precision (the usual choice for an output projection)
-    return convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: n != "head")
+    return convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, n: n != "head"
+    )
 
 
 def batches(rank: int):
