@@ -241,17 +241,21 @@ def float8_step(cfg: OptimizersContainer.Config) -> OptimizersContainer.Config:
 
 def with_float8(config, converter: Float8Converter.Config | None = None):
     """A stock `Trainer.Config` with float8 linears and the float8 step: the converter is
-    applied to the model config and `float8_post_optimizer_build` wired in."""
+    applied to the model config and `float8_post_optimizer_build` runs after the model
+    spec's own `post_optimizer_build_fn`, if it has one."""
     converter = converter or Float8Converter.Config()
     spec = config.model_spec
     spec.model = converter.build().convert(spec.model)
-    if spec.post_optimizer_build_fn is not None:
-        raise ValueError(
-            f"{spec.name} {spec.flavor} already has a post_optimizer_build_fn "
-            f"({spec.post_optimizer_build_fn}); call float8_post_optimizer_build(optimizers, "
-            "model_parts) from it instead of using with_float8"
-        )
-    spec.post_optimizer_build_fn = float8_post_optimizer_build
+    own = spec.post_optimizer_build_fn
+    if own is None:
+        spec.post_optimizer_build_fn = float8_post_optimizer_build
+    elif own is not float8_post_optimizer_build:
+
+        def both(optimizers, model_parts, parallel_dims=None) -> None:
+            own(optimizers, model_parts, parallel_dims)
+            float8_post_optimizer_build(optimizers, model_parts, parallel_dims)
+
+        spec.post_optimizer_build_fn = both
     return config
 
 

@@ -107,3 +107,15 @@ def test_module_config_names_wrap_stock_configs() -> None:
     assert len(_float8_layers(_build(config.model_spec.model))) == 30
     with pytest.raises(AttributeError, match="takes the name of a torchtitan config function"):
         tt.llama3_no_such_flavor  # noqa: B018
+
+
+def test_with_float8_runs_after_the_specs_own_post_optimizer_build() -> None:
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    calls = []
+    config = llama3_debugmodel()
+    config.model_spec.post_optimizer_build_fn = lambda *args: calls.append("own")
+    config = tt.with_float8(config)
+    model = _build(config.model_spec.model)
+    config.model_spec.post_optimizer_build_fn(torch.optim.SGD(model.parameters(), lr=0.1), [])
+    assert calls == ["own"]
