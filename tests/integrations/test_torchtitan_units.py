@@ -14,7 +14,8 @@ from tests.integrations.titan_cpu import stub_triton_kernels
 pytestmark = pytest.mark.extras
 if importlib.util.find_spec("torchtitan") is not None:
     stub_triton_kernels()  # torchtitan imports triton kernels; a CPU machine has no triton
-tt = pytest.importorskip("fsdp_float8.integrations.torchtitan", exc_type=ImportError)
+pytest.importorskip("torchtitan")
+tt = pytest.importorskip("fsdp_float8.integrations.torchtitan")
 
 from fsdp_float8 import Float8LinearConfig, ScalingType  # noqa: E402
 from fsdp_float8.fsdp.weight_wrappers import Float8WeightWrapper  # noqa: E402
