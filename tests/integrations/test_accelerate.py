@@ -36,4 +36,4 @@ def test_accelerate_fsdp2_bf16_losses_equal_the_loop_by_hand(tmp_path: Path) -> 
         print(rank, json.dumps(losses))
         assert losses["accelerate"] == losses["by_hand"], rank
         assert len(losses["accelerate"]) == 8
-        assert losses["accelerate"][-1] < losses["accelerate"][0]  # it learns
+        assert losses["accelerate"][-1] < losses["accelerate"][0] - 0.5  # it learns
