@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.launch import REPO, torchrun_command
+from tests.f8train.launch import REPO, torchrun_command
 
 pytestmark = pytest.mark.extras
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.launch import REPO, torchrun_command
+from tests.f8train.launch import REPO, torchrun_command
 
 pytestmark = pytest.mark.extras
 
