@@ -64,7 +64,7 @@ def shard_group(param: torch.Tensor, dims: tuple[int, ...] | None, default: Grou
     of its DTensor whose placement shards one of `dims` (None: all dims, a tensorwise amax).
     `default` when `param` is not a DTensor. None when no mesh dim shards them (the amax is
     local, e.g. per-row scales of a weight sharded by rows only)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(param, DTensor):
         return default
@@ -72,7 +72,8 @@ def shard_group(param: torch.Tensor, dims: tuple[int, ...] | None, default: Grou
     hit = [
         i
         for i, p in enumerate(param.placements)
-        if p.is_shard() and (dims is None or p.dim % param.ndim in [d % param.ndim for d in dims])
+        if isinstance(p, Shard)
+        and (dims is None or p.dim % param.ndim in [d % param.ndim for d in dims])
     ]
     if not hit:
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -31,7 +31,7 @@ from fsdp_float8.core.config import (
     ScalingGranularity,
 )
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.scaling import ScalingStrategy
+from fsdp_float8.core.scaling import Axiswise, Granularity, ScalingStrategy, Tensorwise
 
 CASTS: tuple[tuple[Operand, Gemm], ...] = tuple(
     (op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops
@@ -61,7 +61,7 @@ class CastPlan:
     row_scaled_grad_weight: bool
 
     @classmethod
-    def from_config(cls, config: Float8LinearConfig) -> CastPlan:
+    def from_config(cls, config: Float8LinearConfig) -> Self:
         return cls(
             strategies={k: config.strategy(*k) for k in CASTS},
             dtypes={k: config.float8_dtype(*k) for k in CASTS},
@@ -97,6 +97,17 @@ class CastPlan:
 def _row_scaled(config: Float8LinearConfig, gemm: Gemm) -> bool:
     cast = config.cast(GEMM_OPERANDS[gemm][0], gemm)
     return cast.enabled and cast.scaling_granularity is not ScalingGranularity.TENSORWISE
+
+
+def block_cast(
+    strategies: dict[tuple[Operand, Gemm], ScalingStrategy | None],
+) -> tuple[Operand, Gemm, Granularity] | None:
+    """The first float8 cast whose scale does not broadcast (a block scale), or None: what
+    the GEMM families without a block GEMM (experts, tensor parallelism) refuse."""
+    for (operand, gemm), strategy in strategies.items():
+        if strategy is not None and not isinstance(strategy.granularity, (Tensorwise, Axiswise)):
+            return operand, gemm, strategy.granularity
+    return None
 
 
 def _gemm_blocks(config: Float8LinearConfig, gemm: Gemm) -> tuple:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field, replace
 
 import torch
@@ -149,13 +150,17 @@ class CastConfig:
         return self.scaling_type is not ScalingType.DISABLED
 
 
-_GRANULARITY = {
+_GRANULARITY: dict[ScalingGranularity, Callable[[CastConfig], scaling.Granularity]] = {
     ScalingGranularity.TENSORWISE: lambda cfg: scaling.Tensorwise(),
     ScalingGranularity.AXISWISE: lambda cfg: scaling.Axiswise(),
-    ScalingGranularity.BLOCKWISE: lambda cfg: scaling.Blockwise(
-        shape=tuple(cfg.block_shape), scale_dtype=cfg.scale_dtype
-    ),
+    ScalingGranularity.BLOCKWISE: lambda cfg: _blockwise(cfg),
 }
+
+
+def _blockwise(cfg: CastConfig) -> scaling.Blockwise:
+    assert cfg.block_shape is not None  # check_block_cast required two ints
+    across, along = cfg.block_shape
+    return scaling.Blockwise(shape=(across, along), scale_dtype=cfg.scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -363,7 +368,9 @@ class Float8LinearConfig:
         return getattr(self, _OPERAND_FIELD[(operand, gemm)])
 
     def float8_dtype(self, operand: Operand, gemm: Gemm) -> torch.dtype:
-        return self.cast(operand, gemm).target_dtype
+        dtype = self.cast(operand, gemm).target_dtype
+        assert dtype is not None  # filled by __post_init__
+        return dtype
 
     def gemm_config(self, gemm: Gemm) -> Float8GemmConfig:
         return getattr(self, f"gemm_config_{gemm.value}")
@@ -375,7 +382,8 @@ class Float8LinearConfig:
         if cfg.scaling_type is ScalingType.DISABLED:
             return None
         if cfg.scaling_type is ScalingType.STATIC:
-            return scaling.StaticScaling(scale=float(cfg.static_scale))
+            assert cfg.static_scale is not None  # CastConfig.__post_init__ checked it
+            return scaling.StaticScaling(scale=cfg.static_scale)
         if cfg.scaling_type is ScalingType.DELAYED:
             d = self.delayed_scaling_config
             return scaling.DelayedScaling(

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import numbers
 import types
 import typing
+from typing import Any, TypeVar
 
 # on a CastConfig: "dtype" (target_dtype was filled with the operand's default) or
 # "copy" (the whole config was copied from the operand's primary cast config)
 FILLED = "_fsdp_float8_filled"
+T = TypeVar("T")
 
 
-def mark_filled(obj: object, how: str) -> object:
+def mark_filled(obj: T, how: str) -> T:
     object.__setattr__(obj, FILLED, how)
     return obj
 
@@ -31,7 +32,7 @@ def filled(obj: object) -> str | None:
     return getattr(obj, FILLED, None)
 
 
-def check_field_types(obj: object) -> None:
+def check_field_types(obj: Any) -> None:
     """TypeError naming the field, the value and the expected type, for each field of a
     config dataclass whose value does not match its annotation. Numbers are checked as
     numbers (an int is a float, a bool is neither); an enum field also takes its string
@@ -48,10 +49,15 @@ def check_field_types(obj: object) -> None:
             )
 
 
-@functools.cache
-def _type_hints(cls: type) -> dict:
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
     # resolving the string annotations is the slow part (~1 ms a class); they never change
-    return typing.get_type_hints(cls)
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _allowed_types(hint) -> tuple[type, ...]:

@@ -54,7 +54,7 @@ class Float8Tensor(torch.Tensor):
         self._block = None if block is None else (int(block[0]), int(block[1]))
         return self
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return (
             f"Float8Tensor(dtype={self._data.dtype}, orig_dtype={self._orig_dtype}, "
             f"shape={tuple(self.shape)}, scale_shape={tuple(self._scale.shape)}, "
@@ -69,7 +69,7 @@ class Float8Tensor(torch.Tensor):
         orig_dtype, emulate, block = meta
         return Float8Tensor(inner["_data"], inner["_scale"], orig_dtype, emulate, block)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

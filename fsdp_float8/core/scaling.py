@@ -128,10 +128,16 @@ def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class Granularity(Protocol):
-    # True when one cast serves the operand contracted along either dim (tensorwise,
-    # square blocks): the layer then reuses it for the operand's second GEMM
-    transpose_invariant: bool
-    scale_dtype: torch.dtype  # how the scale is sent (all-gather, CUDA GEMM)
+    @property
+    def transpose_invariant(self) -> bool:
+        """True when one cast serves the operand contracted along either dim (tensorwise,
+        square blocks): the layer then reuses it for the operand's second GEMM."""
+        ...
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """How the scale is sent (all-gather, CUDA GEMM)."""
+        ...
 
     def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor: ...
 
@@ -228,7 +234,8 @@ class AmaxRecord(Protocol):
 
 
 class ScalingStrategy(Protocol):
-    granularity: Granularity
+    @property
+    def granularity(self) -> Granularity: ...
 
     def scale(
         self,

@@ -22,11 +22,13 @@ re-cast from the row-cast weight, sharded or not.
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 
-from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, weight_for
+from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast, weight_for
 from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand
-from fsdp_float8.core.scaling import Axiswise, DynamicScaling, Tensorwise, cast_to_float8_data
+from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,
     grouped_mm_hp,
@@ -50,23 +52,24 @@ class ExpertCastPlan(CastPlan):
     """The linear's `CastPlan`, built after the checks that expert GEMMs need."""
 
     @classmethod
-    def from_config(cls, config: Float8LinearConfig) -> ExpertCastPlan:
+    def from_config(cls, config: Float8LinearConfig) -> Self:
         check_expert_config(config)
         return super().from_config(config)
 
 
 def check_expert_config(config: Float8LinearConfig) -> None:
     """Expert GEMMs scale dynamically (tensorwise or rowwise): refuse the rest up front."""
-    for op, gemm in CASTS:
-        strategy = config.strategy(op, gemm)
-        granularity = getattr(strategy, "granularity", None)
-        if strategy is not None and not isinstance(granularity, (Tensorwise, Axiswise)):
-            raise ValueError(
-                f"block-scaled float8 expert GEMMs are not supported yet; {op.value} for "
-                f"{gemm.value} has {granularity}. Give the experts a tensorwise or rowwise "
-                "recipe: convert_to_float8_training(model, config=..., expert_config="
-                "Float8LinearConfig.from_recipe_name('rowwise'))"
-            )
+    strategies = {(op, gemm): config.strategy(op, gemm) for op, gemm in CASTS}
+    blocked = block_cast(strategies)
+    if blocked is not None:
+        op, gemm, granularity = blocked
+        raise ValueError(
+            f"block-scaled float8 expert GEMMs are not supported yet; {op.value} for "
+            f"{gemm.value} has {granularity}. Give the experts a tensorwise or rowwise "
+            "recipe: convert_to_float8_training(model, config=..., expert_config="
+            "Float8LinearConfig.from_recipe_name('rowwise'))"
+        )
+    for (op, gemm), strategy in strategies.items():
         if strategy is not None and not isinstance(strategy, DynamicScaling):
             raise ValueError(
                 f"float8 expert GEMMs scale dynamically only; {op.value} for {gemm.value} is "
@@ -84,11 +87,12 @@ def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: CastPlan, offs) -> Pa
     if strategy is None:
         return hp, None
     dtype, dim = plan.dtypes[(op, gemm)], EXPERT_SCALE_DIM[(op, gemm)]
-    if dim != GROUPS or not isinstance(strategy.granularity, Axiswise):
-        scale = strategy.scale(hp, -1 if dim == GROUPS else dim, dtype)
-        return cast_to_float8_data(hp, scale, dtype), scale
-    scale = strategy.scale_from_amax(group_column_amax(hp, offs), dtype)
-    return cast_to_float8_data(hp, per_row(scale, offs, hp.shape[0]), dtype), scale
+    if not isinstance(dim, int) and isinstance(strategy, DynamicScaling):
+        if isinstance(strategy.granularity, Axiswise):  # per (expert, column)
+            scale = strategy.scale_from_amax(group_column_amax(hp, offs), dtype)
+            return cast_to_float8_data(hp, per_row(scale, offs, hp.shape[0]), dtype), scale
+    scale = strategy.scale(hp, dim if isinstance(dim, int) else -1, dtype)
+    return cast_to_float8_data(hp, scale, dtype), scale
 
 
 def expert_weight_for(weight, gemm: Gemm, plan: CastPlan, offs) -> Pair:
@@ -105,7 +109,7 @@ def _t3(pair: Pair) -> Pair:
 
 def _gemm(left: Pair, right: Pair, offs, gemm: Gemm, plan: CastPlan, out_dtype):
     (a, a_scale), (b, b_scale) = left, right
-    if a_scale is None:
+    if a_scale is None or b_scale is None:  # both or neither (the config checks)
         return grouped_mm_hp(a, b, offs, out_dtype)
     return grouped_scaled_mm(
         a,

@@ -21,6 +21,8 @@ gathers them in float8 (1 byte per element plus per-row scales for rowwise).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -185,11 +187,12 @@ class Float8FusedExperts(Float8ExpertsBase):
 
     layout = "fused"
     weight_names = _FUSED
+    act_fn: Callable[[torch.Tensor], torch.Tensor]  # the source module's activation
 
     @classmethod
     def from_experts(cls, source: nn.Module, config: Float8LinearConfig):
         new = cls()
-        new.act_fn = source.act_fn
+        new.act_fn = cast(Callable[[torch.Tensor], torch.Tensor], source.act_fn)
         new._setup(source, config)
         return new
 

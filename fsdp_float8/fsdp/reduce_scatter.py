@@ -198,7 +198,7 @@ class Float8ReduceScatter(ReduceScatter):
         if async_op:
             done: torch.futures.Future = torch.futures.Future()
             done.set_result([output_tensor])
-            return torch._C._distributed_c10d._create_work_from_future(done)
+            return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
         return None
 
     def _block_kwargs(self) -> dict:
@@ -230,11 +230,11 @@ def _reduce_op_finisher(op, world_size: int):
     """What to apply to the float32 sum for FSDP2's reduce op; raise on an unsupported op."""
     # A RedOpType passes isinstance(op, dist.ReduceOp) too; only a ReduceOp object has .op
     kind = op if isinstance(op, _RedOp) else op.op
-    if kind == _RedOp.SUM:
+    if kind == dist.ReduceOp.SUM:
         return lambda total: total
-    if kind == _RedOp.AVG:
+    if kind == dist.ReduceOp.AVG:
         return lambda total: total.div_(world_size)
-    if kind == _RedOp.PREMUL_SUM:
+    if kind == dist.ReduceOp.PREMUL_SUM:
         factor = premul_sum_factor(op)
         if factor is None:
             raise NotImplementedError(

@@ -54,7 +54,7 @@ def _t(pair: Pair) -> Pair:
 
 def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> torch.Tensor:
     (a, a_scale), (b, b_scale) = left, right
-    if a_scale is None:
+    if a_scale is None or b_scale is None:  # both or neither (the config checks)
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
     return scaled_mm_data(
         a,
@@ -78,6 +78,8 @@ def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
+        x_fp8: Pair
+        saved_x: Pair
         if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
             x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
         else:
@@ -131,7 +133,9 @@ class _Float8LinearFn(torch.autograd.Function):
 def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:
     """The same cast as in forward (same tensorwise scale and dtype), without a new amax."""
     gemm = PRIMARY_GEMM[operand]
-    granularity = plan.strategies[(operand, gemm)].granularity
+    strategy = plan.strategies[(operand, gemm)]
+    assert strategy is not None  # a shared cast is a float8 cast
+    granularity = strategy.granularity
     cast = granularity.cast(
         hp, scale, CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
     )
@@ -163,6 +167,9 @@ def _short(cfg) -> str:
 class Float8Linear(nn.Linear):
     """nn.Linear with float8 GEMMs. Build it with `from_float` (shares the parameters) or
     `convert_to_float8_training`."""
+
+    # set by the float8 tensor-parallel styles (`fsdp_float8.tensor_parallel.styles`)
+    tensor_parallel: object | None = None
 
     def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -255,10 +262,11 @@ class Float8Linear(nn.Linear):
 def _local_parameters(module: Float8Linear, x: torch.Tensor):
     """The local weight and bias of a TP Float8Linear (differentiable: their gradients
     come back as DTensors of the same placements)."""
-    layout = getattr(module, "tensor_parallel", None)  # set by the float8 TP styles
-    if layout is None:
+    weight, bias = module.weight, module.bias
+    assert isinstance(weight, DTensor)  # the caller checked
+    if module.tensor_parallel is None:
         raise TypeError(
-            f"this Float8Linear's weight is a DTensor {module.weight.placements} but the layer "
+            f"this Float8Linear's weight is a DTensor {weight.placements} but the layer "
             "was not parallelized with fsdp_float8's styles; use "
             "fsdp_float8.tensor_parallel.styles.Float8ColwiseParallel / Float8RowwiseParallel in "
             "the parallelize_module plan (torch's ColwiseParallel would run it on DTensors)"
@@ -268,8 +276,8 @@ def _local_parameters(module: Float8Linear, x: torch.Tensor):
             f"a tensor-parallel Float8Linear got a DTensor input {x.placements}; its style "
             "hands it a local tensor, so call the layer through its module (not .forward)"
         )
-    bias = module.bias
-    return module.weight.to_local(), (bias.to_local() if bias is not None else None)
+    local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+    return weight.to_local(), local_bias
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:

@@ -168,8 +168,8 @@ def _input_cast(module: nn.Module, float8_dtype: torch.dtype, fqn: str | None):
             "parallelize_module, or use PrepareModuleInput"
         )
     casts = {}
-    for name, m in layers:
-        check_tp_config(m, f" ({name})")
+    for name, layer in layers:
+        m = check_tp_config(layer, f" ({name})")
         key = (Operand.INPUT, Gemm.OUTPUT)
         strategy, dtype = m.plan.strategies[key], m.plan.dtypes[key]
         if isinstance(strategy, DynamicScaling):  # the input's own cast, not TP-reduced

@@ -71,12 +71,12 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from fsdp_float8.core.cast_plan import CastPlan
+from fsdp_float8.core.cast_plan import CastPlan, block_cast
 from fsdp_float8.core.config import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.scaling import (
-    Axiswise,
     DelayedScaling,
+    DynamicScaling,
     StaticScaling,
     Tensorwise,
 )
@@ -116,14 +116,15 @@ def tp_cast_plan(plan: CastPlan, layout: TensorParallelLayout) -> CastPlan:
     group = layout.mesh.get_group()
     strategies = {}
     for (operand, gemm), strategy in plan.strategies.items():
-        if strategy is not None and layout.reduces(operand, gemm, strategy):
+        if isinstance(strategy, DynamicScaling) and layout.reduces(operand, gemm, strategy):
             strategy = strategy.reduced_over(group)
         strategies[(operand, gemm)] = strategy
     return replace(plan, strategies=strategies)
 
 
-def check_tp_config(module: nn.Module, fqn_hint: str = "") -> None:
-    """Refuse, with a remedy, what tensor parallelism cannot run with single-process scales."""
+def check_tp_config(module: nn.Module, fqn_hint: str = "") -> Float8Linear:
+    """The module as a Float8Linear that tensor parallelism can run with single-process
+    scales; anything else is refused with a remedy."""
     if not isinstance(module, Float8Linear):
         raise TypeError(
             f"fsdp_float8's float8 TP styles apply to Float8Linear layers, got "
@@ -138,24 +139,24 @@ def check_tp_config(module: nn.Module, fqn_hint: str = "") -> None:
             "Use dynamic scaling (e.g. Float8LinearConfig.from_recipe_name('tensorwise')) or "
             "static scaling for tensor-parallel layers"
         )
-    for strategy in module.plan.strategies.values():
-        gran = getattr(strategy, "granularity", None)
-        if strategy is not None and not isinstance(gran, (Tensorwise, Axiswise)):
-            raise ValueError(
-                f"float8 tensor parallelism supports tensorwise and rowwise (axiswise) "
-                f"scales, got {type(gran).__name__}{fqn_hint}; use the 'tensorwise' or "
-                "'rowwise' recipe for tensor-parallel layers, or keep this layer out of the "
-                "TP plan"
-            )
+    blocked = block_cast(module.plan.strategies)
+    if blocked is not None:
+        raise ValueError(
+            f"float8 tensor parallelism supports tensorwise and rowwise (axiswise) "
+            f"scales, got {type(blocked[2]).__name__}{fqn_hint}; use the 'tensorwise' or "
+            "'rowwise' recipe for tensor-parallel layers, or keep this layer out of the "
+            "TP plan"
+        )
+    return module
 
 
-def _prepare(module: nn.Module, mesh: DeviceMesh, style: str, weight_dim: int, src: int | None):
+def _prepare(layer: nn.Module, mesh: DeviceMesh, style: str, weight_dim: int, src: int | None):
     """Shard the weight (bias colwise: with it), keep the float8 wrapper, set the layout."""
     if mesh.ndim != 1:
         raise ValueError(
             f"float8 TP styles take a 1-D TP mesh, got {mesh.ndim}-D {mesh}; pass mesh['tp']"
         )
-    check_tp_config(module)
+    module = check_tp_config(layer)
     if style == ROWWISE and module.bias is not None:
         raise ValueError(
             "Float8RowwiseParallel of a Float8Linear with a bias: each TP rank would add the "
@@ -257,7 +258,9 @@ def _check_precast(mod: Float8Linear, x: DTensor) -> None:
             "PrepareFloat8ModuleInput(desired_input_layouts=Replicate()) gathers it"
         )
     want = mod.plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
-    got = x._local_tensor.float8_dtype
+    local = x._local_tensor
+    assert isinstance(local, Float8Tensor)  # the caller checked
+    got = local.float8_dtype
     if got != want or not mod.plan.shares_cast(Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT):
         raise TypeError(
             f"this colwise Float8Linear casts its input as {mod.extra_repr()}, but got a "

@@ -320,7 +320,7 @@ def _process_group(script_obj: Any, name: Any) -> dist.ProcessGroup | None:
         if isinstance(name, str):
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            return _resolve_process_group(name)
+            return _resolve_process_group(name)  # type: ignore[arg-type]
     except Exception:
         return None
     return None

@@ -168,7 +168,7 @@ class Float8WeightWrapper(torch.Tensor):
         self._state.register(tensor)
         return self
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._tensor!r})"
 
     def __tensor_flatten__(self):
@@ -184,7 +184,7 @@ class Float8WeightWrapper(torch.Tensor):
         args = (type(self), self._tensor, self._config, is_param, self.requires_grad)
         return (_rebuild_weight_wrapper, args)
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

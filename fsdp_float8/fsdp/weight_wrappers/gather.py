@@ -68,7 +68,7 @@ class BlockGather:
     emulate: bool
     block: tuple[int, int]
     shard_rows: int
-    shard_scale_shape: tuple[int, int]
+    shard_scale_shape: tuple[int, ...]
 
     @classmethod
     def pack(

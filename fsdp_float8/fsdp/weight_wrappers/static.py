@@ -12,4 +12,5 @@ from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
 class StaticFloat8Weight(Float8WeightWrapper):
     def float8_scale(self, mesh) -> torch.Tensor:
         value = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT).static_scale
+        assert value is not None  # a static CastConfig has one
         return static_scale_tensor(value, self._tensor.device)
