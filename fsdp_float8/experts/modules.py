@@ -92,7 +92,8 @@ def _fused_layout_problem(module: nn.Module) -> str | None:
     `forward(hidden_states, top_k_index, top_k_weights)`. Llama4TextExperts, for one, holds
     them transposed, (E, in, out), and takes tokens already grouped by expert."""
     name = type(module).__name__
-    gate_up, down = module.gate_up_proj.shape, module.down_proj.shape
+    gate_up = module.get_parameter("gate_up_proj").shape
+    down = module.get_parameter("down_proj").shape
     if gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
         return (
             f"{name} holds gate_up_proj {tuple(gate_up)} and down_proj {tuple(down)}, not the "

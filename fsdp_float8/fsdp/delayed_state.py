@@ -73,6 +73,8 @@ class DelayedState(NamedTuple):
 class DelayedScalingState(nn.Module):
     """The delayed-scaling buffers and host flags of one layer (see the module docstring)."""
 
+    fp8_forwards: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, config: Float8LinearConfig, device: torch.device | None = None):
         super().__init__()
         self.strategies: dict[Operand, DelayedScaling] = {}
@@ -85,14 +87,16 @@ class DelayedScalingState(nn.Module):
         self.operands: tuple[Operand, ...] = tuple(self.strategies)
         self.max_forwards_without_sync = config.delayed_scaling_config.max_forwards_without_sync
         n = config.delayed_scaling_config.history_len
-        f32 = {"dtype": torch.float32, "device": device}
+        f32 = torch.float32
         for op in self.operands:
-            self.register_buffer(f"fp8_amax_{op.value}", torch.zeros((), **f32))
-            self.register_buffer(f"fp8_amax_history_{op.value}", torch.zeros(n, **f32))
-            self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), **f32))
+            self.register_buffer(f"fp8_amax_{op.value}", torch.zeros((), dtype=f32, device=device))
+            history = torch.zeros(n, dtype=f32, device=device)
+            self.register_buffer(f"fp8_amax_history_{op.value}", history)
+            self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), dtype=f32, device=device))
             init = torch.zeros((), dtype=torch.bool, device=device)
             self.register_buffer(f"fp8_initialized_{op.value}", init)
-        self.register_buffer("fp8_forwards", torch.zeros((), **f32), persistent=False)
+        forwards = torch.zeros((), dtype=f32, device=device)
+        self.register_buffer("fp8_forwards", forwards, persistent=False)
         self.weight_ready = False  # host mirror of fp8_initialized_weight (no device read)
         self.synced_step = -1  # the optimizer step count at the last sync
         self.syncs = 0  # how many syncs so far

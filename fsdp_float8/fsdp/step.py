@@ -31,15 +31,18 @@ its last sync, or its weight was never seeded.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
 from fsdp_float8.core.config import Operand
-from fsdp_float8.core.scaling import amax_to_scale, tensor_amaxes
+from fsdp_float8.core.scaling import tensor_amaxes
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint
 from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
@@ -47,7 +50,7 @@ from fsdp_float8.nn.linear import Float8Linear
 
 _SLOTS = (Operand.WEIGHT, Operand.INPUT, Operand.GRAD_OUTPUT)  # then ran, -ran
 _steps = [0]  # torch.optim steps taken in this process (any optimizer)
-_step_hook = []
+_step_hook: list[RemovableHandle] = []
 _refreshed_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> step
 _checked: weakref.WeakSet = weakref.WeakSet()  # layers whose ranks were found to agree
 
@@ -97,14 +100,15 @@ def install_refresh_hook(model: nn.Module) -> None:
         if m.delayed_scaling is not None:
             m.delayed_scaling.start_counting_steps_at(step)
     handle = model.register_forward_pre_hook(_refresh_before_forward, prepend=True)
-    model._float8_refresh_hook = handle
-    model._float8_forwards = [0, None]  # training forwards since the last sync, its marker
+    model._float8_refresh_hook = handle  # type: ignore[assignment]
+    # training forwards since the last sync, its marker
+    model._float8_forwards = [0, None]  # type: ignore[assignment]
 
 
 @torch._dynamo.disable
 def _refresh_before_forward(module: nn.Module, args) -> None:
-    hooks = module._forward_pre_hooks
-    key = module._float8_refresh_hook.id
+    hooks = cast(OrderedDict, module._forward_pre_hooks)
+    key = cast(RemovableHandle, module._float8_refresh_hook).id
     if next(iter(hooks)) != key:  # fully_shard prepended its own root hook: go first
         hooks.move_to_end(key, last=False)
     refresh(module)
@@ -118,7 +122,7 @@ def _count_forward(module: nn.Module) -> None:
     states = [m.delayed_scaling for m in _float8_linears(module) if m.delayed_scaling]
     if not states:
         return
-    counter = module._float8_forwards
+    counter = cast(list, module._float8_forwards)
     if counter[1] != states[0].syncs:  # synced since the last forward (hook or explicit)
         counter[:] = [0, states[0].syncs]
     counter[0] += 1
@@ -144,7 +148,7 @@ def refresh(model: nn.Module, *, force: bool = False) -> tuple[int, int]:
     default = _mesh_of(model)
     if not force and not any(_stale(m, steps, default) for _, m in linears):
         return 0, 0
-    groups: dict[object, list[tuple[str, nn.Module]]] = {}
+    groups: dict[Group, list[tuple[str, nn.Module]]] = {}
     for fqn, m in linears:
         groups.setdefault(_group_of_layer(m, default), []).append((fqn, m))
     counts = [0, 0]
@@ -171,7 +175,7 @@ def _refresh_group(members: list[tuple[str, nn.Module]], group: Group, steps: in
     table = reduced.view(len(_SLOTS) + 2, len(modules))
     for i, w in weights:
         m = modules[i]
-        scale = amax_to_scale(table[0, i], w.float8_dtype, power_of_2=_pow2(m))
+        scale = w.strategy.scale_from_amax(table[0, i], w.float8_dtype)  # reduced above
         w.set_precomputed_scale(scale)
         _refreshed_at[m] = steps
     _apply_delayed(modules, states, table, steps)
@@ -192,7 +196,9 @@ def _slot_columns(modules: list[nn.Module]):
         cols[0][i] = amax.reshape(())
     states = [i for i, m in enumerate(modules) if _delayed(m) is not None]
     for i in states:
-        slots = modules[i].delayed_scaling.slots(_local_hp_weight(modules[i].weight))
+        state = _delayed(modules[i])
+        assert state is not None
+        slots = state.slots(_local_hp_weight(modules[i].get_parameter("weight")))
         for k, op in enumerate(_SLOTS):
             if op in slots:
                 cols[k][i] = slots[op].to(device)
@@ -210,7 +216,7 @@ def _apply_delayed(modules, states: list[int], table: torch.Tensor, steps: int) 
         _check_ran_everywhere([_fqn_of(m) for m in modules], ran_max != ran_min)
 
 
-_pending_checks: list[tuple[object, torch.Tensor, list[str]]] = []  # (event, flags, names)
+_pending_checks: list[tuple[torch.Event, torch.Tensor, list[str]]] = []  # (event, flags, names)
 
 
 def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
@@ -284,10 +290,6 @@ def _mesh_of(model: nn.Module) -> Group:
         if isinstance(p, DTensor):
             return p.device_mesh
     return None
-
-
-def _pow2(m: Float8Linear) -> bool:
-    return m.config.round_scales_to_power_of_2
 
 
 def _device_of(modules: list[nn.Module]) -> torch.device:

@@ -44,6 +44,8 @@ class ConversionReport:
 
 def dims_divisible_by_16(module: nn.Module, fqn: str) -> bool:
     """Default filter: float8 GEMMs need both linear dims to be multiples of 16."""
+    if not isinstance(module, nn.Linear):
+        return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
@@ -95,6 +97,7 @@ def convert_to_float8_training(
     expert_plan: list[_Swap] = []
     _plan_experts(model, "", expert_config or config, expert_filter_fn, report, expert_plan)
     for swap in plan:
+        assert isinstance(swap.linear, nn.Linear)  # _plan_linear planned it
         new = _to_float8(swap.linear, config)
         if swap.parent is None:
             model = new
@@ -102,9 +105,10 @@ def convert_to_float8_training(
             setattr(swap.parent, swap.name, new)
         report.converted.append(swap.fqn)
     for swap in expert_plan:
+        assert swap.config is not None  # _plan_experts sets it
         setattr(swap.parent, swap.name, expert_modules.to_float8_experts(swap.linear, swap.config))
         report.experts_converted.append(swap.fqn)
-    model.float8_conversion_report = report
+    model.float8_conversion_report = report  # type: ignore[assignment]
     if report.converted:
         install_refresh_hook(model)  # the float8 step: no float8 call in the training loop
     return model

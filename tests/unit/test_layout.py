@@ -214,3 +214,23 @@ def test_the_import_graph_sees_function_level_imports():
     assert "fsdp_float8.core.blocks_cuda" in graph["fsdp_float8.core.blocks"]
     # and a circle made that way is found
     assert _circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
+
+
+# ---------------------------------------------------------------------- one scale path
+
+
+def test_scales_come_from_amaxes_in_scaling_only():
+    # amax -> (reduce over a group) -> scale is written once: everyone else asks a strategy
+    assert _homes(r"\bamax_to_scale\(") == {"core/scaling.py"}
+    # the batched reduction of the float8 step is the only MAX all-reduce outside the path
+    assert _homes(r"\ball_reduce_amax_\(") == {
+        "core/amax_sync.py",
+        "core/scaling.py",
+        "fsdp/step.py",
+    }
+
+
+def test_power_of_two_flag_has_one_reader():
+    # config.strategy() reads it into the strategies; config_blocks validates it
+    assert _homes(r"\.round_scales_to_power_of_2\b") == {"core/config.py"}
+    assert _homes(r"class TPReducedScaling|def _pow2\(") == set()

@@ -7,9 +7,12 @@ weight gets its layer's `DelayedScalingState` as its scale source.
 
 from __future__ import annotations
 
+from typing import cast
+
+import torch
 from torch import nn
 
-from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand
 from fsdp_float8.core.scaling import (
     Blockwise,
     DelayedScaling,
@@ -17,6 +20,7 @@ from fsdp_float8.core.scaling import (
     ScalingStrategy,
     StaticScaling,
 )
+from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.fsdp.weight_wrappers.block import BlockFloat8Weight
 from fsdp_float8.fsdp.weight_wrappers.delayed import DelayedFloat8Weight
@@ -39,13 +43,15 @@ _WRAPPERS: dict[type, type[Float8WeightWrapper]] = {
 }
 
 
-def wrap_weight(weight: nn.Parameter, module: nn.Module) -> nn.Parameter:
+def wrap_weight(weight: torch.Tensor, module: nn.Module) -> nn.Parameter:
     """The module's weight (a linear's, or one 3-D weight of float8 experts) as a Parameter
     whose FSDP2 all-gather is float8, cast with the module's weight strategy."""
-    config = module.config
-    wrapper = wrapper_class(config.strategy(Operand.WEIGHT, Gemm.OUTPUT))(weight.data, config)
+    config = cast(Float8LinearConfig, module.config)
+    strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
+    assert strategy is not None  # the config refuses float8 all-gather of a hp weight
+    wrapper = wrapper_class(strategy)(weight.data, config)
     if isinstance(wrapper, DelayedFloat8Weight):
-        wrapper.scale_source = module.delayed_scaling
+        wrapper.scale_source = cast(DelayedScalingState, module.delayed_scaling)
     return nn.Parameter(wrapper, requires_grad=weight.requires_grad)
 
 

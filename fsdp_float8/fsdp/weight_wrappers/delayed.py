@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
 
 
 class DelayedFloat8Weight(Float8WeightWrapper):
-    scale_source = None  # a DelayedScalingState: weight_scale(shard, mesh) -> scale
+    scale_source: DelayedScalingState | None = None  # weight_scale(shard, mesh) -> scale
 
     def _copy_state_to(self, new) -> None:
         new.scale_source = self.scale_source
