@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 # The default suite under another torch: `make test-torch TORCH=2.11.0` (any 2.11-2.15).
