@@ -161,7 +161,9 @@ def test_block_float8_all_gather_2_ranks(tmp_path):
                 assert n_ag == 2 * 2 * case.n_layers, (case.name, step)
                 assert n_all_reduce == 0, (case.name, step)
         for case, message in zip(REFUSED, r["refused"], strict=True):
-            assert "block-scaled float8 all-gather of a weight with" in message, message
+            # the weight and its module are named (the layer used to go unnamed)
+            assert "block-scaled float8 all-gather of the (" in message, message
+            assert "weight of Float8Linear(" in message, message
             assert f"each shard must hold whole {BLOCK_ROWS[case.recipe]}-row blocks" in message
             assert "enable_fsdp_float8_all_gather=False" in message
     uninterrupted = [r["dcp"]["losses"] for r in results]

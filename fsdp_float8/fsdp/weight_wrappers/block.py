@@ -42,7 +42,10 @@ class BlockFloat8Weight(Float8WeightWrapper):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
-        check_block_shards(outer_size[0], mesh.size(), self.block[0])
+        dims = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        shape = f"({dims[0]}, {dims[1]})" if None not in dims else ""
+        owner = f"the {tuple(outer_size)} weight of {type(module).__name__}{shape}"
+        check_block_shards(outer_size[0], mesh.size(), self.block[0], owner=owner)
         scale = self.float8_scale(mesh)
         data = self.granularity.cast(self._tensor, scale, -1, self.float8_dtype)
         scale_dtype, emulate = self.granularity.scale_dtype, self._config.emulate
@@ -62,13 +65,15 @@ class BlockFloat8Weight(Float8WeightWrapper):
         out._scale.copy_(scale)  # the data aliases the all-gather output FSDP2 refilled
 
 
-def check_block_shards(rows: int, shards: int, block_rows: int) -> None:
+def check_block_shards(rows: int, shards: int, block_rows: int, *, owner: str = "") -> None:
     """Every shard must start on a block boundary and be whole blocks (see the module
-    docstring); one shard (shard size 1) takes any number of rows."""
+    docstring); one shard (shard size 1) takes any number of rows. ``owner`` names the
+    weight (the module FSDP2 passes to the pre-all-gather hook)."""
     if shards == 1 or (rows % shards == 0 and (rows // shards) % block_rows == 0):
         return
+    what = owner or "a weight"
     raise ValueError(
-        f"block-scaled float8 all-gather of a weight with {rows} rows over {shards} shards: "
+        f"block-scaled float8 all-gather of {what} with {rows} rows over {shards} shards: "
         f"each shard must hold whole {block_rows}-row blocks (rows divisible by "
         f"{shards * block_rows}) so its block scales are its own; padding shards would make "
         "the rounding depend on the shard count. Use out_features divisible by "
