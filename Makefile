@@ -86,8 +86,11 @@ test-extras: $(EVENV)/.installed
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]
 
-test-gpu: venv
-	$(BIN)/python -m pytest -q -m gpu || [ $$? -eq 5 ]
+# On a GPU machine, from the repository root, with that machine's torch: nothing is
+# installed (docs/gpu.md). GPU_PYTHON picks the interpreter.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -m gpu tests/gpu || [ $$? -eq 5 ]
 
 train: venv
 	$(BIN)/torchrun --standalone --nproc_per_node $(NPROC) -m f8train.train

@@ -108,26 +108,41 @@ def _equal(a, b) -> bool:
     return torch.equal(da.view(torch.uint8), db.view(torch.uint8)) and torch.equal(sa, sb)
 
 
-def bench_size(rows: int, cols: int, args, device) -> list[dict]:
+def bench_size(rows: int, cols: int, args, device, on_row=None) -> list[dict]:
+    """The cast cases of one (rows, cols) bf16 tensor; `on_row(row)` after each row (the
+    caller writes its JSON there, so a run cut short keeps every row it measured)."""
     torch.manual_seed(0)
     src = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     numel = src.numel()
+    results: list[dict] = []
+
+    def add(row: dict) -> None:
+        results.append(row)
+        print(_progress(row), flush=True)
+        if on_row is not None:
+            on_row(row)
+
     copy = time_ms(lambda: dst.copy_(src), device, warmup=args.warmup, iters=args.iters)
-    results = [_row("copy", "eager", rows, cols, copy, 4 * numel, copy, None, None)]
-    print(_progress(results[-1]), flush=True)
+    add(_row("copy", "eager", rows, cols, copy, 4 * numel, copy, None, None))
     clone = time_ms(src.clone, device, warmup=args.warmup, iters=args.iters)
-    results.append(_row("copy_alloc", "eager", rows, cols, clone, 4 * numel, copy, None, None))
-    print(_progress(results[-1]), flush=True)
+    add(_row("copy_alloc", "eager", rows, cols, clone, 4 * numel, copy, None, None))
     given_scale = amax_to_scale(src.abs().amax().float(), E4M3)
     for mode in args.modes:
         for name in args.cases:
             call_args = (src, given_scale) if name in _GIVEN_SCALE else (src,)
             timing, equal, error = time_case(CASTS[name], call_args, mode, device, args)
             nbytes = (2 if name in _READ_ONLY else 3) * numel
-            results.append(_row(name, mode, rows, cols, timing, nbytes, copy, equal, error))
-            print(_progress(results[-1]), flush=True)
+            add(_row(name, mode, rows, cols, timing, nbytes, copy, equal, error))
     return results
+
+
+def _writer(payload: dict, path: str | None):
+    def on_row(row: dict) -> None:
+        payload["results"].append(row)
+        write_json(path, payload)
+
+    return on_row
 
 
 def time_case(fn: Callable, call_args: tuple, mode: str, device, args):
@@ -235,8 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         "results": [],
     }
     for rows, cols in _sizes(args.sizes, args.quick, device):
-        payload["results"] += bench_size(rows, cols, args, device)
-        write_json(args.json, payload)
+        bench_size(rows, cols, args, device, on_row=_writer(payload, args.json))
     print()
     print(table(payload["results"]))
     write_json(args.json, payload)

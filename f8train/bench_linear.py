@@ -164,7 +164,9 @@ def _tflops(flops: int, ms: float | None) -> float | None:
     return flops / (ms * 1e-3) / 1e12 if ms else None
 
 
-def bench_shape(shape: Shape, args, device, peaks) -> list[dict]:
+def bench_shape(shape: Shape, args, device, peaks, on_row=None) -> list[dict]:
+    """bf16 and each recipe on one shape; `on_row(row)` after each row (the caller writes
+    its JSON there, so a run cut short keeps every row it measured)."""
     torch.manual_seed(0)
     base = nn.Linear(shape.k, shape.n, bias=False, device=device, dtype=torch.bfloat16)
     x = torch.randn(shape.m, shape.k, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -202,6 +204,8 @@ def bench_shape(shape: Shape, args, device, peaks) -> list[dict]:
                 row["float8_pct_peak"] = _pct(row["float8_tflops"], peaks.get("fp8"))
             rows.append(row)
             print(_progress(row), flush=True)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
@@ -373,9 +377,13 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_tflops": peaks,
         "results": [],
     }
-    for shape in shapes:
-        payload["results"] += bench_shape(shape, args, device, peaks)
+
+    def on_row(row: dict) -> None:
+        payload["results"].append(row)
         write_json(args.json, payload)
+
+    for shape in shapes:
+        bench_shape(shape, args, device, peaks, on_row)
     print()
     print(table(payload["results"], peaks))
     if args.profile:
