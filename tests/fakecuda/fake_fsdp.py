@@ -17,8 +17,11 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from tests.fakecuda import fake_cuda as fc
 
 
 class _Event:
@@ -36,6 +39,9 @@ class _Event:
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, end) -> float:
+        return 1.0
 
 
 class _Stream(_Event):
@@ -101,3 +107,56 @@ def fake_world(shape: tuple[int, ...], names: tuple[str, ...] | None = None, ran
             yield mesh
     finally:
         dist.destroy_process_group()
+
+
+_INIT_PROCESS_GROUP = dist.init_process_group
+
+
+def _fake_init_process_group(backend=None, *, store=None, rank=0, world_size=1, **kwargs):
+    _INIT_PROCESS_GROUP("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+_SWAP = torch.utils.swap_tensors
+
+
+def _swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    try:
+        _SWAP(t1, t2)
+    except RuntimeError:  # "Cannot swap t1 because it has weakref associated with it"
+        t1.data = t2.data
+
+
+def _mesh_outside_fake_mode(init_device_mesh):
+    def build(*args, **kwargs):
+        with unset_fake_temporarily(), torch.device("cpu"):
+            return init_device_mesh(*args, **kwargs)
+
+    return build
+
+
+@contextlib.contextmanager
+def fake_gpu_machine():
+    """A whole fake GPU machine for code written for a real one: fake cuda (H200, value
+    reads True), streams, NCCL as the fake process group, cuda Generators on CPU, modules
+    built on cuda, meshes built outside fake mode, `Tensor.backward` as the Python walk."""
+    generator = torch.Generator
+
+    def cpu_generator(device=None):
+        return generator()
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_streams())
+        stack.enter_context(mock.patch.object(dist, "init_process_group", _fake_init_process_group))
+        stack.enter_context(mock.patch.object(torch, "Generator", cpu_generator))
+        stack.enter_context(fc.fake_cuda(fc.H200, truth=True))
+        # modules built on cuda: moving a real module to fake cuda cannot swap its tensors
+        stack.enter_context(torch.device("cuda"))
+        # Module.to swaps a fake parameter's tensors, which fake mode's weakrefs refuse
+        stack.enter_context(mock.patch.object(torch.utils, "swap_tensors", _swap_or_set_data))
+        mesh_mod = torch.distributed.device_mesh
+        build = _mesh_outside_fake_mode(mesh_mod.init_device_mesh)
+        stack.enter_context(mock.patch.object(mesh_mod, "init_device_mesh", build))
+        stack.enter_context(
+            mock.patch.object(torch.Tensor, "backward", lambda t, g=None, **kw: fc.backward(t, g))
+        )
+        yield

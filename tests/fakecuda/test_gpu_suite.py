@@ -5,17 +5,10 @@ process group, a cuda Generator a CPU one, and `Tensor.backward` the Python grap
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.fakecuda import fake_cuda as fc
-from tests.fakecuda.fake_fsdp import fake_streams
+from tests.fakecuda.fake_fsdp import fake_gpu_machine
 from tests.gpu import test_cuda, test_cuda_contract
 
 pytestmark = pytest.mark.fakecuda
@@ -51,63 +44,13 @@ def _id(case) -> str:
     return "-".join([fn.__name__, *(str(v).replace("torch.", "") for v in kwargs.values())])
 
 
-_INIT_PROCESS_GROUP = dist.init_process_group
-
-
-def _fake_init_process_group(backend=None, *, store=None, rank=0, world_size=1, **kwargs):
-    _INIT_PROCESS_GROUP("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-
-_SWAP = torch.utils.swap_tensors
-
-
-def _swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    try:
-        _SWAP(t1, t2)
-    except RuntimeError:  # "Cannot swap t1 because it has weakref associated with it"
-        t1.data = t2.data
-
-
-def _mesh_outside_fake_mode(init_device_mesh):
-    def build(*args, **kwargs):
-        with unset_fake_temporarily(), torch.device("cpu"):
-            return init_device_mesh(*args, **kwargs)
-
-    return build
-
-
-@contextlib.contextmanager
-def _fake_gpu_machine():
-    generator = torch.Generator
-
-    def cpu_generator(device=None):
-        return generator()
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(fake_streams())
-        stack.enter_context(mock.patch.object(dist, "init_process_group", _fake_init_process_group))
-        stack.enter_context(mock.patch.object(torch, "Generator", cpu_generator))
-        stack.enter_context(fc.fake_cuda(fc.H200, truth=True))
-        # modules built on cuda: moving a real module to fake cuda cannot swap its tensors
-        stack.enter_context(torch.device("cuda"))
-        # Module.to swaps a fake parameter's tensors, which fake mode's weakrefs refuse
-        stack.enter_context(mock.patch.object(torch.utils, "swap_tensors", _swap_or_set_data))
-        mesh_mod = torch.distributed.device_mesh
-        build = _mesh_outside_fake_mode(mesh_mod.init_device_mesh)
-        stack.enter_context(mock.patch.object(mesh_mod, "init_device_mesh", build))
-        stack.enter_context(
-            mock.patch.object(torch.Tensor, "backward", lambda t, g=None, **kw: fc.backward(t, g))
-        )
-        yield
-
-
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_gpu_test_on_fake_cuda(case, tmp_path):
     fn, kwargs = case
     params = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     if "tmp_path" in params:
         kwargs = {**kwargs, "tmp_path": tmp_path}
-    with _fake_gpu_machine():
+    with fake_gpu_machine():
         if fn.__name__ in VALUE_CHECK_LAST:  # every call ran; only its last line reads values
             with pytest.raises(AssertionError, match=VALUE_CHECK_LAST[fn.__name__]):
                 fn(**kwargs)
