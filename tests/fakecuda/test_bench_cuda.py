@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from scripts import bench_cast, bench_linear
+from f8train import bench_cast, bench_linear
 from tests.fakecuda.fake_fsdp import fake_gpu_machine
 
 pytestmark = pytest.mark.fakecuda
