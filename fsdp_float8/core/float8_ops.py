@@ -231,17 +231,22 @@ def _require_float8(a, b, name: str) -> None:
 def _gemm_scales(
     a_scale: torch.Tensor, b_scale: torch.Tensor, m: int, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """inv_scales shaped as torch._scaled_mm wants: both 0-d, or (M, 1) and (1, N)."""
-    inv_a, inv_b = a_scale.reciprocal(), b_scale.reciprocal()
-    if inv_a.numel() == 1 and inv_b.numel() == 1:
-        return inv_a.reshape(()), inv_b.reshape(())
-    if tuple(inv_a.shape) not in ((m, 1), ()) or tuple(inv_b.shape) not in ((1, n), ()):
+    """inv_scales shaped as torch._scaled_mm wants: both 0-d, or (M, 1) and (1, N). One op
+    per operand: a reciprocal (of the expanded scale where one operand is tensorwise and
+    the other not: it writes a fresh dense tensor, and torch._scaled_mm rejects the stride 0
+    of an expanded one)."""
+    if a_scale.numel() == 1 and b_scale.numel() == 1:
+        return a_scale.reshape(()).reciprocal(), b_scale.reshape(()).reciprocal()
+    a_shape, b_shape = tuple(a_scale.shape), tuple(b_scale.shape)
+    if not (a_shape in ((m, 1), ()) and b_shape in ((1, n), ())):
         raise ValueError(
             f"scaled_mm needs a's scale per row (shape ({m}, 1)) and b's per column "
-            f"(shape (1, {n})), got {tuple(inv_a.shape)} and {tuple(inv_b.shape)}: each "
+            f"(shape (1, {n})), got {a_shape} and {b_shape}: each "
             "operand must be scaled along the GEMM's contraction dim"
         )
-    return _dense(inv_a.expand(m, 1)), _dense(inv_b.expand(1, n))
+    inv_a = a_scale.reshape(-1, 1).expand(m, 1).reciprocal()
+    inv_b = b_scale.reshape(1, -1).expand(1, n).reciprocal()
+    return inv_a, inv_b
 
 
 def _dense(scale: torch.Tensor) -> torch.Tensor:
@@ -265,7 +270,8 @@ def _cpu_scaled_mm(
     out_dtype: torch.dtype,
     use_fast_accum: bool,
 ) -> torch.Tensor:
-    """CPU `torch._scaled_mm`, for what this torch's CPU kernel takes (fsdp_float8.core._compat).
+    """CPU `torch._scaled_mm` with the CUDA kernel's contract (0-d or row/column inverse
+    scales), adapted to what this torch's CPU kernel takes (fsdp_float8.core._compat).
 
     With row scales (torch 2.13+): 0-d scales go in as (M, 1) and (1, N), because 0-d scales
     of same-dtype operands take a oneDNN kernel ~300x slower than the per-row path (2.13);
@@ -274,6 +280,10 @@ def _cpu_scaled_mm(
     rounded once to out_dtype. Scales commute with the sum over K, so this is the dequantized
     product: equal to the native row-scale path when the scales are powers of two, to float32
     rounding otherwise (tests/unit/test_scaling.py checks both against the native path).
+
+    One op (a torch.library custom op), so these CPU-only adaptations stay inside the GEMM,
+    as they are inside a CUDA GEMM: torch.compile calls it as it calls `torch._scaled_mm`,
+    and the graph around it is the one a GPU gets (`f8train/count_kernels.py` opens it).
     """
     tensorwise = inv_a.dim() == 0 and inv_b.dim() == 0
     if cpu_scaled_mm_takes_row_scales():
@@ -287,6 +297,16 @@ def _cpu_scaled_mm(
     )
 
 
+cpu_scaled_mm = torch.library.custom_op("fsdp_float8::cpu_scaled_mm", mutates_args=())(
+    _cpu_scaled_mm
+)
+
+
+@cpu_scaled_mm.register_fake
+def _cpu_scaled_mm_fake(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[1]), dtype=out_dtype)
+
+
 def row_scaled_mm_around_unit_gemm(
     a_data: torch.Tensor,
     b_data: torch.Tensor,
@@ -294,7 +314,7 @@ def row_scaled_mm_around_unit_gemm(
     inv_b: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Row-scaled float8 GEMM from a tensorwise GEMM with unit scales (see `_cpu_scaled_mm`)."""
+    """Row-scaled float8 GEMM from a tensorwise GEMM with unit scales (see `cpu_scaled_mm`)."""
     one = torch.ones((), dtype=torch.float32, device=a_data.device)
     out = torch._scaled_mm(a_data, b_data, one, one, out_dtype=torch.float32)
     return (out * inv_a * inv_b).to(out_dtype)
@@ -360,7 +380,7 @@ def scaled_mm_data(
     else:
         check_gemm_supported(a_data.device.type, rowwise=inv_a.dim() > 0, out_dtype=out_dtype)
         if a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
-            out = _cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
+            out = cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
         else:
             out = torch._scaled_mm(
                 a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum

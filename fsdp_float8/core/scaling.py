@@ -69,58 +69,63 @@ def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
 
 
 def cast_to_float8_data(
-    hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    float8_dtype: torch.dtype,
+    *,
+    column_major: bool = False,
 ) -> torch.Tensor:
     """Saturating cast: clamp(hp * scale) to the float8 range, then convert.
 
     One float32 temporary, scaled and clamped in place (eager allocates once instead of
-    three times; under torch.compile it is one fused kernel either way)."""
+    three times; under torch.compile it is one fused kernel either way). `column_major`
+    (2-D `hp`): the result is laid out column-major, as the right operand of a GEMM needs
+    it (or the left one, transposed): the transposed copy is that first float32 copy,
+    not an extra pass over the float8 data."""
     fmax = float8_max(float8_dtype)
-    scaled = hp.detach().to(torch.float32, copy=True).mul_(scale).clamp_(min=-fmax, max=fmax)
-    return scaled.to(float8_dtype)
+    src = hp.detach()
+    if column_major:
+        src, scale = src.t(), (scale.t() if scale.dim() == 2 else scale)
+    scaled = src.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    data = scaled.mul_(scale).clamp_(min=-fmax, max=fmax).to(float8_dtype)
+    return data.t() if column_major else data
 
 
-# amax = max |x|, the one home of the reduction. Never `abs()` first: that writes a
-# full-size temporary. `linalg.vector_norm(inf)` is one pass on CUDA but runs 10-40x slower
-# than aminmax/amax on CPU (`f8train/bench_cast.py --cases amax,amax_vector_norm`), so the
-# reductions here are min and max, whose results are exact and device independent.
+# amax = max |x|, the one home of the reduction: abs, then max, in the tensor's own dtype
+# (the max of bf16 values is exact), then float32. Two ops eager, one fused reduction
+# under torch.compile (the abs never reaches memory there). `linalg.vector_norm(inf)` is
+# one op but runs 10-40x slower on CPU (`f8train/bench_cast.py --cases
+# amax,amax_vector_norm`); aminmax/amin+amax then abs and maximum of both ends is 4-5 ops.
 
 
-def _abs_max(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """max |x| from min and max, float32 (abs() of both: never -0.0)."""
-    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
-
-
-def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
+def tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
     """max |x| of the whole tensor as a 0-d float32 (0 for an empty tensor, e.g. an
-    FSDP shard of a weight with fewer rows than ranks)."""
+    FSDP shard of a weight with fewer rows than ranks). `exact`: in the tensor's own
+    dtype, which holds the max exactly (for `amax_to_scale`, which takes it to float64:
+    the same number, one conversion fewer)."""
     hp = hp.detach()
     if hp.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=hp.device)
-    lo, hi = torch.aminmax(hp)
-    return _abs_max(lo, hi)
+    amax = hp.abs().amax()
+    return amax if exact else amax.to(torch.float32)
 
 
-def axis_amax(hp: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| along `dim` (kept, so it broadcasts back), float32; 0 where `dim` is empty.
-    On CUDA one aminmax pass; on CPU amin then amax, which there run 3x to 6x faster than
-    aminmax along a dim."""
+def axis_amax(hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
+    """max |x| along `dim` (kept, so it broadcasts back), float32 (or the tensor's dtype
+    when `exact`, see `tensor_amax`); 0 where `dim` is empty."""
     hp = hp.detach()
     if hp.shape[dim] == 0:  # no rows to reduce (an empty batch): amax 0, as tensor_amax
         shape = list(hp.shape)
         shape[dim] = 1
         return torch.zeros(shape, dtype=torch.float32, device=hp.device)
-    if hp.is_cuda:
-        lo, hi = torch.aminmax(hp, dim=dim, keepdim=True)
-    else:
-        lo, hi = hp.amin(dim=dim, keepdim=True), hp.amax(dim=dim, keepdim=True)
-    return _abs_max(lo, hi)
+    amax = hp.abs().amax(dim=dim, keepdim=True)
+    return amax if exact else amax.to(torch.float32)
 
 
 def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`tensor_amax` of each tensor (0-d float32 each). On CUDA one
     batched `_foreach_norm(inf)` kernel for the whole list; elsewhere (where foreach ops
-    loop per tensor anyway) one aminmax per tensor. Both are exact, so the values agree."""
+    loop per tensor anyway) one `tensor_amax` per tensor. Both are exact, so the values agree."""
     if tensors and all(t.is_cuda and t.numel() for t in tensors):
         norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
         return [n.to(torch.float32) for n in norms]
@@ -139,7 +144,9 @@ class Granularity(Protocol):
         """How the scale is sent (all-gather, CUDA GEMM)."""
         ...
 
-    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
+        """float32; `exact`: any dtype that holds it exactly (see `tensor_amax`)."""
+        ...
 
     def block(self, dim: int) -> tuple[int, int] | None:
         """(rows, cols) of a block of a 2-D operand contracted along `dim`; None when the
@@ -147,8 +154,18 @@ class Granularity(Protocol):
         ...
 
     def cast(
-        self, hp: torch.Tensor, scale: torch.Tensor, dim: int, float8_dtype: torch.dtype
-    ) -> torch.Tensor: ...
+        self,
+        hp: torch.Tensor,
+        scale: torch.Tensor,
+        dim: int,
+        float8_dtype: torch.dtype,
+        *,
+        column_major: bool = False,
+    ) -> torch.Tensor:
+        """The float8 data; `column_major` lays a 2-D result out column-major where the
+        granularity's GEMM takes it so (`cast_to_float8_data`); block casts keep their
+        layout (the block GEMM lays out its operands)."""
+        ...
 
     def broadcastable(self, scale: torch.Tensor, hp: torch.Tensor, dim: int) -> torch.Tensor:
         """The scale in a form that broadcasts against `hp` (for statistics)."""
@@ -163,11 +180,11 @@ class Tensorwise:
     def block(self, dim: int) -> None:
         return None
 
-    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor_amax(hp)
+    def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
+        return tensor_amax(hp, exact=exact)
 
-    def cast(self, hp, scale, dim, float8_dtype):
-        return cast_to_float8_data(hp, scale, float8_dtype)
+    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False):
+        return cast_to_float8_data(hp, scale, float8_dtype, column_major=column_major)
 
     def broadcastable(self, scale, hp, dim):
         return scale
@@ -181,11 +198,11 @@ class Axiswise:
     def block(self, dim: int) -> None:
         return None
 
-    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
-        return axis_amax(hp, dim)  # scales carry no gradient
+    def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
+        return axis_amax(hp, dim, exact=exact)  # scales carry no gradient
 
-    def cast(self, hp, scale, dim, float8_dtype):
-        return cast_to_float8_data(hp, scale, float8_dtype)
+    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False):
+        return cast_to_float8_data(hp, scale, float8_dtype, column_major=column_major)
 
     def broadcastable(self, scale, hp, dim):
         return scale
@@ -214,10 +231,10 @@ class Blockwise:
         across, along = self.shape
         return (across, along) if dim in (-1, 1) else (along, across)
 
-    def amax(self, hp: torch.Tensor, dim: int) -> torch.Tensor:
+    def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
         return block_amax(hp, self.block(dim))
 
-    def cast(self, hp, scale, dim, float8_dtype):
+    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False):
         return cast_to_float8_blocks(hp, scale, self.block(dim), float8_dtype)
 
     def broadcastable(self, scale, hp, dim):
@@ -257,7 +274,9 @@ class DynamicScaling:
     group: Group = None
 
     def scale(self, hp, dim, float8_dtype, state=None):
-        return self.scale_from_amax(self.granularity.amax(hp, dim), float8_dtype)
+        # without a reduction, the amax in hp's dtype (exact): one conversion fewer
+        amax = self.granularity.amax(hp, dim, exact=self.group is None)
+        return self.scale_from_amax(amax, float8_dtype)
 
     def scale_from_amax(
         self, amax: torch.Tensor, float8_dtype: torch.dtype, group: Group = None

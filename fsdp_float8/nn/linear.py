@@ -44,7 +44,10 @@ def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
         return hp, None
     dtype, dim = plan.dtypes[(operand, gemm)], CONTRACTION_DIM[(gemm, operand)]
     scale = strategy.scale(hp, dim, dtype, states.get(operand))
-    return strategy.granularity.cast(hp, scale, dim, dtype), scale
+    # an operand's second GEMM takes it column-major (grad_input's weight, grad_weight's
+    # input and grad_output.T): the cast lays it out so, no transposed copy afterwards
+    column_major = gemm is SECOND_GEMM[operand]
+    return strategy.granularity.cast(hp, scale, dim, dtype, column_major=column_major), scale
 
 
 def _t(pair: Pair) -> Pair:
@@ -131,15 +134,13 @@ class _Float8LinearFn(torch.autograd.Function):
 
 
 def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:
-    """The same cast as in forward (same tensorwise scale and dtype), without a new amax."""
+    """The same cast as in forward (same tensorwise scale and dtype), without a new amax,
+    laid out column-major for the operand's second GEMM (see `cast_operand`)."""
     gemm = PRIMARY_GEMM[operand]
     strategy = plan.strategies[(operand, gemm)]
     assert strategy is not None  # a shared cast is a float8 cast
-    granularity = strategy.granularity
-    cast = granularity.cast(
-        hp, scale, CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
-    )
-    return cast, scale
+    dim, dtype = CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
+    return strategy.granularity.cast(hp, scale, dim, dtype, column_major=True), scale
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:

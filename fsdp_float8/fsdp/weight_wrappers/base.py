@@ -305,7 +305,9 @@ class Float8WeightWrapper(torch.Tensor):
         if out is not None:
             if not isinstance(out, Float8Tensor):
                 raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-            out._scale.copy_(scale)
+            # the data aliases the all-gather output FSDP2 refilled; the scale is this
+            # gather's: swap it in rather than copy it over the old one
+            out._scale = scale
             return
         return Float8Tensor(data, scale.clone(), param_dtype, metadata.emulate), (data,)
 

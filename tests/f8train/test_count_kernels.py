@@ -1,0 +1,72 @@
+"""The hot path stays lean: pinned kernel and op counts (`f8train/count_kernels.py`).
+
+Both counts are deterministic (no clock): inductor's generated kernel count for the SwiGLU
+block, forward + backward, and the non-view aten ops of one steady FSDP2 step on 2 ranks.
+Each pin is the figure measured when the hot path was last made lighter; a change that
+adds work to it fails here. A change that removes work should lower the pin. torchao's
+figures (0.18.0, torch 2.13, measured by the script where torchao imports) are written
+down here, since torchao is no dependency: ours must stay at or below them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from f8train.count_kernels import OpCounter, compiled_kernel_count, eager_counts
+
+# inductor kernels, SwiGLU block (dim 512, hidden 1408, 4x256 tokens, bf16)
+COMPILED_PIN = {"tensorwise": 30, "rowwise": 72}
+COMPILED_TORCHAO = {"tensorwise": 32, "rowwise": 82}
+# eager non-view aten ops per FSDP2 step (28 float8 linears): (top, deep)
+EAGER_PIN = {"tensorwise": (2076, 2244), "rowwise": (2880, 2880)}
+EAGER_TORCHAO = {"tensorwise": (2103, 2355), "rowwise": (3048, 3524)}
+# transposed float8 copies per linear: a cast that serves two GEMMs in two layouts
+# (tensorwise grad_output; the float8-gathered weight for grad_input); rowwise casts each
+# GEMM's operand in its own layout
+TRANSPOSED_COPIES = {"tensorwise": 2, "rowwise": 0}
+BF16_CLONES = 13  # FSDP2's and the model's own, in the bf16 step
+LINEARS = 28
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_kernels_pinned(recipe):
+    assert COMPILED_PIN[recipe] <= COMPILED_TORCHAO[recipe]
+    count = compiled_kernel_count("ours", recipe)
+    assert count <= COMPILED_PIN[recipe], (
+        f"{recipe}: inductor generated {count} kernels for the SwiGLU block, pinned at "
+        f"{COMPILED_PIN[recipe]}: something added work to the cast path"
+    )
+
+
+def test_eager_ops_pinned():
+    results = eager_counts([("ours", "tensorwise"), ("ours", "rowwise")])
+    for (_, recipe), r in results.items():
+        assert "error" not in r, r
+        assert r["ranks_agree"], recipe
+        top, deep = sum(r["top"].values()), sum(r["deep"].values())
+        pin, theirs = EAGER_PIN[recipe], EAGER_TORCHAO[recipe]
+        assert pin[0] <= theirs[0] and pin[1] <= theirs[1]
+        assert top <= pin[0] and deep <= pin[1], (recipe, top, deep, r["top"])
+        copies = r["top"].get("clone", 0) - BF16_CLONES
+        assert copies <= TRANSPOSED_COPIES[recipe] * LINEARS, (recipe, r["top"])
+
+
+def test_op_counter_opens_float8_subclasses_and_counts_copies():
+    from fsdp_float8 import hp_to_float8
+    from fsdp_float8.core.config import E4M3
+
+    fp8 = hp_to_float8(torch.randn(8, 16), torch.tensor(2.0), E4M3)
+    torch.mm(fp8, fp8.t())  # first call: this torch's CPU GEMM probe runs once
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with OpCounter() as counter:
+        fp8.t()  # a view: no work
+        fp8.t().contiguous()  # a copy: a clone on top; inside, of its data and scale
+        torch.mm(fp8, fp8.t())  # one op on top; its scale and GEMM work inside
+        a.reshape(16)  # a view
+        b.t().reshape(16)  # a reshape that copies (clone)
+    assert dict(counter.top) == {"clone": 2, "mm": 1}
+    # deep: the Float8Tensor clone's data and scale, the reshape's copy, and (torch 2.13+)
+    # the CPU GEMM op's tensorwise scales laid out as rows and columns
+    assert counter.deep["clone"] >= 3 and counter.deep["_scaled_mm"] == 1
+    assert counter.deep["reciprocal"] == 2 and "mm" not in counter.deep
