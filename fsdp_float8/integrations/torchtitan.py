@@ -30,6 +30,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_float8.core.config import CastConfig, Float8LinearConfig, ScalingType
 from fsdp_float8.integrations import check_torchtitan_version
@@ -206,16 +207,17 @@ def float8_linears(cfg: Linear.Config, **kwargs) -> Linear.Config:
     return _float8_linear_config(cfg, float8_config(**kwargs))
 
 
-_stepping_classes: dict[type, type] = {}
+_stepping_classes: dict[Any, Any] = {}
 
 
-def _with_float8_step(owner: type) -> type:
+def _with_float8_step(owner: Any) -> Any:
     """A subclass of the stock optimizer container that wires the float8 step at build."""
     if owner not in _stepping_classes:
+        owner_config: Any = owner.Config
 
         class Float8StepOptimizers(owner):
             @dataclass(kw_only=True, slots=True)
-            class Config(owner.Config):
+            class Config(owner_config):
                 pass
 
             def __init__(self, config, **kwargs):
