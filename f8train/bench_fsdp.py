@@ -61,6 +61,7 @@ from fsdp_float8 import (
     CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
+    float8_step,
 )
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 
@@ -128,7 +129,7 @@ def _convert(name: str, model: nn.Module, device: torch.device):
         return ao.precompute_float8_dynamic_scale_for_fsdp, True
     convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=FLOAT8_FILTER)
     if name == "float8_ag":  # the per-weight fallback, for comparison
-        model._float8_refresh_hook.remove()
+        float8_step(model).disable()
     return None, False
 
 

@@ -82,6 +82,7 @@ from f8train.train_log import (
 from fsdp_float8 import (
     Float8LinearConfig,
     Float8Telemetry,
+    float8_step,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.tools.comm_stats import CollectiveCounter
@@ -118,7 +119,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, args)
         self.progress_state = ProgressState()
         if config is not None and not args.precompute and args.scaling == "dynamic":
-            self.model._float8_refresh_hook.remove()  # measure the per-weight fallback
+            float8_step(self.model).disable()  # measure the per-weight fallback
         self.tokens_per_step = args.global_batch * args.seq_len
         self.flops_per_token = flops_per_token(self.model.args, args.seq_len)
         self.peak_flops = peak_flops(d.device, args.peak_tflops)

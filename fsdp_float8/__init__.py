@@ -4,7 +4,7 @@ model = convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_
     "tensorwise", enable_fsdp_float8_all_gather=True))
 fully_shard(...)  # per block, then the root
 ...
-loss.backward(); optimizer.step()  # no float8 call: a hook refreshes scales before forward
+loss.backward(); optimizer.step()  # no float8 call: the float8 step refreshes the scales
 
 Coming from torchao.float8: the same names import from here (see README, "Migrating from
 torchao"). Optional features that lean on private torch APIs (`enable_float8_reduce_scatter`,
@@ -36,6 +36,9 @@ from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
 from fsdp_float8.experts.modules import Float8FusedExperts, Float8GroupedExperts
 from fsdp_float8.fsdp.delayed_state import export_state_dict
 from fsdp_float8.fsdp.step import (
+    Float8Step,
+    StepPlan,
+    float8_step,
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
@@ -130,6 +133,7 @@ __all__ = [
     "Float8LinearConfig",
     "Float8LinearRecipeName",
     "Float8RowwiseParallel",
+    "Float8Step",
     "Float8Telemetry",
     "Float8Tensor",
     "Gemm",
@@ -138,9 +142,11 @@ __all__ = [
     "ScalingGranularity",
     "ScalingType",
     "StaticFloat8Weight",
+    "StepPlan",
     "convert_to_float8_training",
     "dims_divisible_by_16",
     "export_state_dict",
+    "float8_step",
     "float8_grouped_mm",
     "hp_to_float8",
     "precompute_float8_dynamic_scale_for_fsdp",

@@ -2,8 +2,10 @@
 
 Mental model: the package supports a range of torch releases by asking torch, never by
 reading its version. Each difference that matters gets one small function here; callers
-ask the function and do not probe torch themselves. A probe that costs a call runs once,
-at first use, and is cached.
+ask the function and do not probe torch themselves. A probe that costs a call runs once
+and is cached: the CPU probes at import, a device's probe when a module is built on it
+(`probe_device`), never first inside a forward (selective activation checkpointing replays
+a forward's ops by position, so a probe's ops in the first forward break its recompute).
 
 The differences (checked on CPU with torch 2.11.0, 2.13.0 and 2.15.0):
 - CPU ``torch._scaled_mm`` takes row scales ((M, 1) and (1, N)) from 2.13; 2.11 takes only
@@ -31,6 +33,7 @@ __all__ = [
     "cpu_scaled_mm_takes_row_scales",
     "grouped_mm_available",
     "premul_sum",
+    "probe_device",
     "premul_sum_factor",
     "reduce_scatter_single",
     "scaled_grouped_mm_available",
@@ -38,6 +41,7 @@ __all__ = [
 
 
 _ROW_SCALES: bool | None = None
+_GROUPED_MM: dict[str, bool] = {}
 
 
 # assume_constant_result: under torch.compile the probe runs eagerly and its answer is a
@@ -53,18 +57,16 @@ def cpu_scaled_mm_takes_row_scales() -> bool:
 
 
 def _probe_row_scales() -> bool:
-    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
-    b = torch.ones(2, 16).to(torch.float8_e4m3fn).t()
+    cpu = {"device": "cpu"}  # explicit: an import under a torch.device("meta") context
+    a = torch.ones(2, 16, **cpu).to(torch.float8_e4m3fn)
+    b = torch.ones(2, 16, **cpu).to(torch.float8_e4m3fn).t()
     try:
         out = torch._scaled_mm(
-            a, b, torch.ones(2, 1), torch.full((1, 2), 2.0), out_dtype=torch.float32
+            a, b, torch.ones(2, 1, **cpu), torch.full((1, 2), 2.0, **cpu), out_dtype=torch.float32
         )
     except RuntimeError:  # torch 2.11: "only supports per-tensor scaling for CPU backend"
         return False
     return bool((out == 32.0).all())
-
-
-_GROUPED_MM: dict[str, bool] = {}
 
 
 @torch.compiler.assume_constant_result
@@ -88,6 +90,14 @@ def _probe_grouped_mm(device_type: str) -> bool:
     except (RuntimeError, NotImplementedError):  # no kernel for this device or dtype
         return False
     return tuple(out.shape) == (3, 8) and bool((out == 16.0).all())
+
+
+def probe_device(device: torch.device | str) -> None:
+    """Run the probes a module on `device` will ask for, now (at conversion), not first
+    inside a forward; no-op for meta and already-probed device types."""
+    device_type = torch.device(device).type
+    if device_type != "meta" and device_type not in _GROUPED_MM:
+        _GROUPED_MM[device_type] = _probe_grouped_mm(device_type)
 
 
 def scaled_grouped_mm_available(device: torch.device) -> bool:
@@ -128,3 +138,8 @@ def reduce_scatter_single(
     """Reduce ``input`` over ranks and scatter it: rank r gets chunk r in ``output``."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(output, input, op=op, group=group)
+
+
+with torch.no_grad():  # the CPU probes, once at import (see the module docstring)
+    _ROW_SCALES = _probe_row_scales()
+    _GROUPED_MM["cpu"] = _probe_grouped_mm("cpu")

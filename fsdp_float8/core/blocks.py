@@ -85,8 +85,9 @@ def cast_to_float8_blocks(
     in hp's shape (row-major)."""
     _check_scale(scale, hp.shape, block)
     fmax = float(torch.finfo(float8_dtype).max)
-    x = _blocked(hp.detach().to(torch.float32, copy=True), block)
-    x.mul_(_per_block(scale)).clamp_(min=-fmax, max=fmax)
+    # out of place: selective activation checkpointing refuses a saved output mutated later
+    x = _blocked(hp.detach().to(torch.float32), block)
+    x = torch.clamp(x * _per_block(scale), min=-fmax, max=fmax)
     return _unblocked(x, hp.shape).to(float8_dtype, memory_format=torch.contiguous_format)
 
 

@@ -77,17 +77,17 @@ def cast_to_float8_data(
 ) -> torch.Tensor:
     """Saturating cast: clamp(hp * scale) to the float8 range, then convert.
 
-    One float32 temporary, scaled and clamped in place (eager allocates once instead of
-    three times; under torch.compile it is one fused kernel either way). `column_major`
-    (2-D `hp`): the result is laid out column-major, as the right operand of a GEMM needs
-    it (or the left one, transposed): the transposed copy is that first float32 copy,
-    not an extra pass over the float8 data."""
+    Out of place: selective activation checkpointing may save any op's output (a
+    save-everything policy does) and refuses one mutated afterwards; under torch.compile it
+    is one fused kernel either way. `column_major` (2-D `hp`): the result is laid out
+    column-major, as the right operand of a GEMM needs it (or the left one, transposed):
+    the transposed copy is the first float32 copy, not an extra pass over the float8 data."""
     fmax = float8_max(float8_dtype)
     src = hp.detach()
     if column_major:
         src, scale = src.t(), (scale.t() if scale.dim() == 2 else scale)
-    scaled = src.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
-    data = scaled.mul_(scale).clamp_(min=-fmax, max=fmax).to(float8_dtype)
+    scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
+    data = torch.clamp(scaled, min=-fmax, max=fmax).to(float8_dtype)
     return data.t() if column_major else data
 
 

@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_float8.core._compat import probe_device
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.experts.gemm import ExpertCastPlan, check_expert_config, float8_grouped_mm
 from fsdp_float8.fsdp.weight_wrappers import wrap_weight
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
+from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 
 _TITAN = ("w1", "w2", "w3")
 _FUSED = ("gate_up_proj", "down_proj")
@@ -132,6 +133,7 @@ class Float8ExpertsBase(nn.Module):
         for name in self.weight_names:
             setattr(self, name, getattr(source, name))  # shared, not copied
         self.num_experts = getattr(source, self.weight_names[0]).shape[0]
+        probe_device(getattr(source, self.weight_names[0]).device)  # not first in a forward
         # as Float8Linear: checkpoints hold plain tensors; a load (assign=True) re-wraps
         self._register_state_dict_hook(_plain_weights_in_state_dict)
         self.register_load_state_dict_post_hook(lambda m, keys: m.wrap_weights_for_fsdp())
@@ -145,7 +147,7 @@ class Float8ExpertsBase(nn.Module):
         for name in self.weight_names:
             p = getattr(self, name)
             if not isinstance(p, Float8WeightWrapper):
-                setattr(self, name, wrap_weight(p, self))
+                setattr(self, name, wrap_weight(p, self, name))
 
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         return float8_grouped_mm(x, getattr(self, name), offs, self.plan)
@@ -159,9 +161,8 @@ def _plain_weights_in_state_dict(module, state_dict, prefix, local_metadata) -> 
     for name in module.weight_names:
         key = prefix + name
         if key in state_dict:
-            value, weight = state_dict[key], getattr(module, name)
-            own = plain_weight(weight)
-            state_dict[key] = own if value is weight else own.detach()
+            weight = getattr(module, name)
+            state_dict[key] = state_dict_weight(weight, detach=state_dict[key] is not weight)
 
 
 class Float8GroupedExperts(Float8ExpertsBase):

@@ -18,7 +18,7 @@ None when no operand is delayed):
   micro-batches) and the sync knows, per rank, which layers ran;
 - host flags: `weight_ready` (the weight's scale was seeded or synced, so a float8
   all-gather can use it without a collective; refreshed by a load hook, so no forward or
-  hook reads a device flag), `synced_step` (the optimizer step count at the last sync);
+  hook reads a device flag), `syncs` (how many syncs so far);
 - the scale source of a delayed float8-gathered weight (`weight_scale`), the views the
   casts use (`views`), and the sync's two halves (`slots`, `apply_reduced`).
 """
@@ -98,7 +98,6 @@ class DelayedScalingState(nn.Module):
         forwards = torch.zeros((), dtype=f32, device=device)
         self.register_buffer("fp8_forwards", forwards, persistent=False)
         self.weight_ready = False  # host mirror of fp8_initialized_weight (no device read)
-        self.synced_step = -1  # the optimizer step count at the last sync
         self.syncs = 0  # how many syncs so far
         self.sync_group = None  # an explicit reduction group, remembered from a sync call
         self.register_load_state_dict_post_hook(_refresh_host_flags)
@@ -150,10 +149,10 @@ class DelayedScalingState(nn.Module):
         return strategy.scale_from_amax(amax, dtype, group=mesh)
 
     # -- the sync ---------------------------------------------------------------------------
-    def due(self, optimizer_steps: int) -> bool:
-        """Host-side: an optimizer stepped since the last sync, or the weight is unseeded."""
-        unseeded = Operand.WEIGHT in self.operands and not self.weight_ready
-        return unseeded or self.synced_step != optimizer_steps
+    @property
+    def unseeded(self) -> bool:
+        """Host-side: a delayed weight whose scale was never seeded nor synced."""
+        return Operand.WEIGHT in self.operands and not self.weight_ready
 
     def slots(self, local_weight: torch.Tensor) -> dict[Operand | str, torch.Tensor]:
         """This layer's share of the sync vector: each operand's recorded amax and whether
@@ -165,9 +164,7 @@ class DelayedScalingState(nn.Module):
         out["ran"] = (self.fp8_forwards > 0).to(torch.float32)
         return out
 
-    def apply_reduced(
-        self, amaxes: dict[Operand, torch.Tensor], ran_everywhere: torch.Tensor, step: int
-    ) -> None:
+    def apply_reduced(self, amaxes: dict[Operand, torch.Tensor], ran_everywhere: torch.Tensor):
         """Roll each operand's history with its cross-rank reduced amax where the layer ran
         on every rank (decided on the device: no host sync); an unseeded weight is seeded.
         "No amax" never becomes a scale."""
@@ -177,12 +174,7 @@ class DelayedScalingState(nn.Module):
             self.view(op).roll(amax, self.strategies[op], self.dtypes[op], where=apply)
         self.fp8_forwards.zero_()
         self.weight_ready = Operand.WEIGHT in self.operands
-        self.synced_step = step
         self.syncs += 1
-
-    def start_counting_steps_at(self, step: int) -> None:
-        """The automatic refresh syncs after the next optimizer step, not before."""
-        self.synced_step = step
 
     def use_group(self, group) -> None:
         """Reduce over `group` from now on (instead of the weight's FSDP2 mesh)."""
@@ -199,7 +191,6 @@ class DelayedScalingState(nn.Module):
             state.initialized.fill_(False)
         self.fp8_forwards.zero_()
         self.weight_ready = False
-        self.synced_step = -1
 
     def _apply(self, fn, recurse=True):
         # dtype-stable: take the device move from fn, keep the float32 values (a round trip

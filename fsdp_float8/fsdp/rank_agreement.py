@@ -3,7 +3,7 @@
 Ranks that convert differently (another recipe, scaling type, static scale, float8
 all-gather on one rank only, another module filter) would otherwise hang in a collective,
 abort in gloo, or train silently wrong. `fingerprint(layers)` hashes each setting over
-every linear layer into one float64 per field (52-bit hashes, exact in float64; the
+every linear and expert weight into one float64 per field (52-bit hashes, exact in float64; the
 number of fields does not depend on the model), so the first refresh collective of a group
 can carry it (`fsdp_float8.fsdp.step`), and `check_agreement` raises on every rank, naming each
 field that differs and the ranks that hold each value.
@@ -33,22 +33,23 @@ def _hash(text: str) -> float:
     return float(int(hashlib.sha256(text.encode()).hexdigest()[:13], 16))
 
 
-def _field_value(module: nn.Module, field: str) -> object:
+def _field_value(module: nn.Module, name: str, field: str) -> object:
     config = getattr(module, "config", None)
     if field == "float8_layers":
         return config is not None
     if config is None:
         return None
     if field == "weight_wrapper":
-        w = module.weight
+        w = getattr(module, name)
         return type(w._local_tensor if isinstance(w, DTensor) else w).__name__
     return getattr(config, field)
 
 
-def fingerprint(layers: list[tuple[str, nn.Module]]) -> torch.Tensor:
-    """One float64 per `FIELDS` entry: a hash of that setting over all (fqn, linear)."""
+def fingerprint(weights: list[tuple[str, nn.Module, str]]) -> torch.Tensor:
+    """One float64 per `FIELDS` entry: a hash of that setting over every (fqn, module,
+    weight name): the weights of linear layers and of float8 experts."""
     return torch.tensor(
-        [_hash(repr([(fqn, _field_value(m, f)) for fqn, m in layers])) for f in FIELDS],
+        [_hash(repr([(fqn, _field_value(m, n, f)) for fqn, m, n in weights])) for f in FIELDS],
         dtype=torch.float64,
     )
 

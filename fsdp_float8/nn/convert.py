@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.experts import modules as expert_modules
-from fsdp_float8.fsdp.step import install_refresh_hook
+from fsdp_float8.fsdp.step import float8_step
+from fsdp_float8.fsdp.weight_wrappers import note_replaced
 from fsdp_float8.nn.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -75,9 +76,9 @@ def convert_to_float8_training(
     FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). Experts modules
     (torchtitan-style w1/w2/w3 or transformers gate_up_proj/down_proj) are swapped for float8
     experts with `expert_config` (default: `config`) where `expert_filter_fn` accepts them
-    (default: all), and reported (`report.experts_converted` / `experts_skipped`). A forward pre-hook on
-    the returned model refreshes precomputed weight scales and delayed-scaling state before
-    each forward when an optimizer step made them stale (`fsdp_float8.fsdp.step.refresh`).
+    (default: all), and reported (`report.experts_converted` / `experts_skipped`). The
+    returned model gets its float8 step (`fsdp_float8.float8_step`): precomputed weight
+    scales and delayed-scaling state are refreshed after each optimizer step.
     """
     config = config or Float8LinearConfig()
     _refuse_high_precision_config(config)
@@ -99,6 +100,7 @@ def convert_to_float8_training(
     for swap in plan:
         assert isinstance(swap.linear, nn.Linear)  # _plan_linear planned it
         new = _to_float8(swap.linear, config)
+        _name_replaced(swap, new, ("weight",))
         if swap.parent is None:
             model = new
         else:
@@ -106,12 +108,24 @@ def convert_to_float8_training(
         report.converted.append(swap.fqn)
     for swap in expert_plan:
         assert swap.config is not None  # _plan_experts sets it
-        setattr(swap.parent, swap.name, expert_modules.to_float8_experts(swap.linear, swap.config))
+        new = expert_modules.to_float8_experts(swap.linear, swap.config)
+        _name_replaced(swap, new, new.weight_names)
+        setattr(swap.parent, swap.name, new)
         report.experts_converted.append(swap.fqn)
     model.float8_conversion_report = report  # type: ignore[assignment]
-    if report.converted:
-        install_refresh_hook(model)  # the float8 step: no float8 call in the training loop
+    if report.converted or report.experts_converted:
+        float8_step(model)  # the float8 step: no float8 call in the training loop
     return model
+
+
+def _name_replaced(swap: _Swap, new: nn.Module, names: tuple[str, ...]) -> None:
+    """Name each Parameter that float8 all-gather replaced by its fqn (for the optimizer
+    check: an optimizer built before conversion still holds the old one)."""
+    for name in names:
+        old = getattr(swap.linear, name)
+        if getattr(new, name) is not old:
+            fqn = f"{swap.fqn}.{name}" if swap.fqn else name
+            note_replaced(old, f"{fqn!r} {tuple(old.shape)}")
 
 
 def _to_float8(linear: nn.Linear, config: Float8LinearConfig) -> Float8Linear:

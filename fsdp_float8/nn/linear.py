@@ -34,7 +34,7 @@ from fsdp_float8.core.float8_ops import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.weight_wrappers import wrap_weight
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, plain_weight
+from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 
 
 def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
@@ -296,10 +296,8 @@ def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> N
     if key in state_dict:
         # the parameter's own inner tensor (detached by autograd, so it shares the version
         # counter): a loader writing into it in place is seen by the wrapper's WeightState
-        value = state_dict[key]
         weight = module.weight
-        own = plain_weight(weight)
-        state_dict[key] = own if value is weight else own.detach()
+        state_dict[key] = state_dict_weight(weight, detach=state_dict[key] is not weight)
 
 
 def _keep_weight_wrapped(module: Float8Linear, incompatible_keys) -> None:

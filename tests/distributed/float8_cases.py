@@ -19,6 +19,7 @@ from fsdp_float8 import (
     CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
+    float8_step,
     sync_float8_amax_and_scale_history,
 )
 from tests.models import Transformer, model_args
@@ -155,7 +156,7 @@ def convert(model: nn.Module, case: Case, *, all_gather: bool) -> nn.Module:
     )
     if not case.precompute:
         assert case.scaling == "dynamic", "without the refresh hook delayed never syncs"
-        model._float8_refresh_hook.remove()
+        float8_step(model).disable()
     return model
 
 

@@ -88,4 +88,6 @@ def test_no_float8_call_in_the_loop(tmp_path):
         for case, ((losses, counts), explicit_losses) in zip(CASES[1:], per_rank[1:]):
             assert losses == explicit_losses, case.scaling
             extra = [c - b for c, b in zip(counts, bf16_counts, strict=True)]
-            assert max(extra) <= 1, (case.scaling, counts, bf16_counts)
+            # step 0: the rank check before the first forward, then the refresh after the
+            # optimizer step; every later step: that refresh alone
+            assert extra[0] <= 2 and extra[1:] == [1] * (len(extra) - 1), (case, counts)

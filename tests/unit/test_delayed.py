@@ -149,11 +149,11 @@ def test_forgotten_sync_raises_after_the_limit() -> None:
 def test_an_optimizer_step_syncs_automatically() -> None:
     mod = _converted(max_forwards_without_sync=2)
     opt = torch.optim.SGD(mod.parameters(), lr=1e-3)
-    for i in range(6):  # far past the limit: each step makes the next forward sync
+    for i in range(6):  # far past the limit: each optimizer step syncs
         _step(mod, torch.randn(2, 64) * (i + 1), sync=False)
         opt.step()
     state = mod[0].delayed_scaling
-    assert state.ready and state.syncs == 6  # the weight seed before the first forward, 5 steps
+    assert state.ready and state.syncs == 7  # the weight seed before the first forward, 6 steps
     assert (state.fp8_amax_history_input[:5] > 0).all()
 
 

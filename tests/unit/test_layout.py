@@ -99,7 +99,7 @@ def test_delayed_state_lives_in_one_module():
 
 def test_post_optimizer_refresh_lives_in_fsdp():
     homes = _homes(r"\.(set_precomputed_scale|apply_reduced|slots)\(")
-    assert homes == {"fsdp/step.py"}, homes
+    assert homes == {"fsdp/refresh.py"}, homes
 
 
 # ------------------------------------------------------------------------ the import graph

@@ -16,6 +16,7 @@ from fsdp_float8 import (
     DynamicFloat8Weight,
     Float8LinearConfig,
     convert_to_float8_training,
+    float8_step,
     precompute_float8_dynamic_scale_for_fsdp,
 )
 from fsdp_float8.core.config import E4M3
@@ -24,10 +25,15 @@ from fsdp_float8.core.scaling import amax_to_scale, tensor_amax
 CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
 
 
-def _model() -> nn.Module:
+def _model(*, step: bool = False) -> nn.Module:
+    """The float8 step off by default: these tests watch the mutation tracking itself
+    (with it on, an optimizer step refreshes the scale at once)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32, bias=False))
-    return convert_to_float8_training(model, config=CONFIG)
+    model = convert_to_float8_training(model, config=CONFIG)
+    if not step:
+        float8_step(model).disable()
+    return model
 
 
 def _weight(model: nn.Module) -> DynamicFloat8Weight:
@@ -81,6 +87,16 @@ def test_mutation_invalidates_precomputed_scale(path):
     MUTATIONS[path](model)
     w = _weight(model)
     assert not w.has_fresh_precomputed_scale(), path
+    fresh = amax_to_scale(tensor_amax(w._tensor), E4M3)
+    assert torch.equal(w.float8_scale(None), fresh), path
+
+
+@pytest.mark.parametrize("path", ["adamw_foreach", "adamw_for_loop", "sgd"])
+def test_the_float8_step_refreshes_after_an_optimizer_step(path):
+    model = _model(step=True)
+    MUTATIONS[path](model)
+    w = _weight(model)
+    assert w.has_fresh_precomputed_scale(), path
     fresh = amax_to_scale(tensor_amax(w._tensor), E4M3)
     assert torch.equal(w.float8_scale(None), fresh), path
 

@@ -171,6 +171,12 @@ class Float8WeightWrapper(torch.Tensor):
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._tensor!r})"
 
+    def data_ptr(self) -> int:
+        # the inner tensor's address, not a wrapper subclass's 0: tools that key parameters
+        # by data_ptr() (accelerate re-maps optimizer parameters after FSDP2 this way)
+        # must see one distinct, non-zero key per weight
+        return self._tensor.data_ptr()
+
     def __tensor_flatten__(self):
         return ["_tensor"], self._config
 
@@ -346,18 +352,30 @@ def _rebuild_weight_wrapper(cls, tensor, config, is_param=False, requires_grad=F
     return torch.nn.Parameter(wrapper, requires_grad) if is_param else wrapper
 
 
+def state_dict_weight(t: torch.Tensor, *, detach: bool) -> torch.Tensor:
+    """`plain_weight(t)` (detached when asked) for a state dict, whose in-place writes
+    (`dcp.load(model.state_dict())`, a rollback) the wrapper sees: under FSDP2 the local
+    tensor of the new DTensor is an autograd-level alias of the inner tensor, so it shares
+    the inner tensor's version counter, which the wrapper's state checks. (A DTensor's
+    `.detach()` would detach below autograd: a counter of its own, writes unseen.)"""
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
+        inner = t._local_tensor._tensor
+        return _dtensor_like(t, inner.detach() if detach else inner)
+    own = plain_weight(t)
+    return own.detach() if detach else own
+
+
+def _dtensor_like(t: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
+
+
 def plain_weight(t: torch.Tensor) -> torch.Tensor:
     """The high-precision weight without the wrapper (a DTensor keeps its sharding), so
     checkpoints hold plain tensors and load anywhere, with or without this package."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
-        return DTensor.from_local(
-            t._local_tensor._tensor,
-            t.device_mesh,
-            t.placements,
-            run_check=False,
-            shape=t.shape,
-            stride=t.stride(),
-        )
+        return _dtensor_like(t, t._local_tensor._tensor)
     return t._tensor if isinstance(t, Float8WeightWrapper) else t

@@ -1,0 +1,233 @@
+"""The refresh collective of the float8 step: every stale scale of a model in one vector.
+
+A *unit* is one weight parameter of a linear layer or of a float8 experts module. Per unit
+the vector holds five float32 slots (weight amax, input amax, grad_output amax, ran,
+-ran); its length depends only on the model's structure (plain `nn.Linear`s get a unit of
+zeros too), never on rank-local state. One collective per reduction group:
+- a dynamic tensorwise float8-gathered weight (linear or expert) gets its precomputed
+  scale, stamped into its wrapper (`DynamicFloat8Weight.set_precomputed_scale`);
+- a delayed-scaling layer's recorded amaxes are reduced, its histories rolled
+  (`DelayedScalingState.apply_reduced`). A MAX over ranks of `ran` and `-ran` tells on the
+  device whether the layer ran everywhere (roll), nowhere (keep), or on some ranks only (an
+  error on every rank, not a hang).
+The first collective of a group is an all_gather that also carries the config fingerprint
+(`rank_agreement`): ranks that converted differently get a ValueError naming the field.
+
+What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8.core.config import Operand
+from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
+from fsdp_float8.experts.modules import Float8ExpertsBase
+from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
+from fsdp_float8.fsdp.delayed_state import DelayedScalingState
+from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint
+from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
+from fsdp_float8.nn.linear import Float8Linear
+
+_SLOTS = (Operand.WEIGHT, Operand.INPUT, Operand.GRAD_OUTPUT)  # then ran, -ran
+_checked: weakref.WeakSet = weakref.WeakSet()  # modules whose ranks were found to agree
+
+
+@dataclass(frozen=True, eq=False)
+class Unit:
+    """One weight of the sync vector: `module.<name>` (a linear's weight, an expert weight)."""
+
+    fqn: str  # the parameter's name in the model, e.g. "layers.0.attention.wq.weight"
+    module: nn.Module
+    name: str
+
+    @property
+    def layer(self) -> str:
+        """The fqn of the module that holds the weight ("" for a root layer)."""
+        return self.fqn.rpartition(".")[0]
+
+    @property
+    def param(self) -> torch.Tensor:
+        return getattr(self.module, self.name)
+
+    @property
+    def float8(self) -> bool:
+        return isinstance(self.module, (Float8Linear, Float8ExpertsBase))
+
+    def dynamic_weight(self) -> DynamicFloat8Weight | None:
+        """The wrapper of a dynamic tensorwise float8-gathered weight (a precomputed scale)."""
+        if not self.float8:
+            return None
+        w = self.param
+        local = w._local_tensor if isinstance(w, DTensor) else w
+        if isinstance(local, DynamicFloat8Weight) and not local.rowwise:
+            return local
+        return None
+
+    def delayed(self) -> DelayedScalingState | None:
+        return self.module.delayed_scaling if isinstance(self.module, Float8Linear) else None
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """Every nn.Linear weight and float8 expert weight of `model`, in module order."""
+    units = []
+    for fqn, m in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        if isinstance(m, nn.Linear):
+            units.append(Unit(prefix + "weight", m, "weight"))
+        elif isinstance(m, Float8ExpertsBase):
+            units += [Unit(prefix + n, m, n) for n in m.weight_names]
+    return units
+
+
+def has_work(unit: Unit) -> bool:
+    """Whether the unit ever needs the refresh collective (a precomputed or delayed scale)."""
+    return unit.dynamic_weight() is not None or unit.delayed() is not None
+
+
+def needs_check(grouped: dict[object, list[Unit]]) -> bool:
+    """Whether a group holds float8 units whose ranks were not checked yet."""
+    return any(
+        group_of(group) is not None and any(u.float8 and u.module not in _checked for u in us)
+        for group, us in grouped.items()
+    )
+
+
+def group_for(unit: Unit, default: Group) -> Group:
+    """Where a unit's amaxes are reduced: an explicit delayed sync group, else its weight's
+    FSDP2 mesh, else the model's (a weight FSDP2 holds unsharded right now, or no FSDP2)."""
+    state = unit.delayed()
+    if state is not None and state.sync_group is not None:
+        return state.sync_group
+    w = unit.param
+    return w.device_mesh if isinstance(w, DTensor) else default
+
+
+def mesh_of(model: nn.Module) -> Group:
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh
+    return None
+
+
+def grouped_units(units: list[tuple[Unit, Group]]) -> dict[object, list[Unit]]:
+    """(unit, the default group of its model) -> units by reduction group, in order."""
+    groups: dict[object, list[Unit]] = {}
+    for u, default in units:
+        groups.setdefault(group_for(u, default), []).append(u)
+    return groups
+
+
+def collectives(grouped: dict[object, list[Unit]]) -> int:
+    """Refresh collectives a step with work in every unit would issue: one per group that
+    spans more than one rank and holds a unit with a precomputed or delayed scale."""
+    return sum(1 for g, us in grouped.items() if group_of(g) is not None and any(map(has_work, us)))
+
+
+@torch.no_grad()
+def refresh_units(grouped: dict[object, list[Unit]], delayed_due: set[int]) -> tuple[int, int]:
+    """Refresh every dynamic weight of the units and sync the delayed layers whose state's
+    id is in `delayed_due`: one collective per reduction group. Returns (weights, delayed
+    operands)."""
+    counts = [0, 0]
+    for group, members in grouped.items():
+        n_weights, n_delayed = _refresh_group(members, group, delayed_due)
+        counts[0] += n_weights
+        counts[1] += n_delayed
+    return counts[0], counts[1]
+
+
+def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int]):
+    columns, weights, states = _slot_columns(units, delayed_due)
+    ran = columns[len(_SLOTS)]
+    vector = torch.cat([*columns, -ran])
+    if group_of(group) is not None and not all(u.module in _checked for u in units if u.float8):
+        pairs = [(u.fqn, u.module, u.name) for u in units]
+        head = fingerprint(pairs).to(vector.device)
+        rows = gather_rows(torch.cat([head, vector.to(torch.float64)]), group)
+        check_agreement(rows[:, : len(FIELDS)], group_of(group))
+        reduced = rows[:, len(FIELDS) :].amax(dim=0).to(torch.float32)
+        _checked.update(u.module for u in units if u.float8)
+    else:
+        reduced = all_reduce_amax_(vector, group)
+    table = reduced.view(len(_SLOTS) + 2, len(units))
+    for i, w in weights:  # reduced above: the scale path without a group
+        pow2 = w.strategy.power_of_2
+        w.set_precomputed_scale(scale_from_amax(table[0, i], w.float8_dtype, power_of_2=pow2))
+    _apply_delayed(units, states, table)
+    return len(weights), sum(len(units[i].delayed().operands) for i in states)
+
+
+def _slot_columns(units: list[Unit], delayed_due: set[int]):
+    """The sync vector's columns: per slot, one value per unit (0 where unused)."""
+    device = _device_of(units)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    cols: list[list[torch.Tensor]] = [[zero] * len(units) for _ in range(len(_SLOTS) + 1)]
+    weights = [(i, w) for i, u in enumerate(units) if (w := u.dynamic_weight()) is not None]
+    for (i, _), amax in zip(weights, tensor_amaxes([w._tensor for _, w in weights]), strict=True):
+        cols[0][i] = amax.reshape(())
+    states = [i for i, u in enumerate(units) if id(u.delayed()) in delayed_due]
+    for i in states:
+        slots = units[i].delayed().slots(_local_hp_weight(units[i].param))
+        for k, op in enumerate(_SLOTS):
+            if op in slots:
+                cols[k][i] = slots[op].to(device)
+        cols[len(_SLOTS)][i] = slots["ran"].to(device)
+    return [torch.stack(c) for c in cols], weights, states
+
+
+def _apply_delayed(units: list[Unit], states: list[int], table: torch.Tensor) -> None:
+    ran_max, ran_min = table[len(_SLOTS)], -table[len(_SLOTS) + 1]
+    for i in states:
+        state = units[i].delayed()
+        amaxes = {op: table[k, i] for k, op in enumerate(_SLOTS) if op in state.operands}
+        state.apply_reduced(amaxes, ran_min[i] > 0)
+    if states:  # units that are not synced hold zeros on every rank: never mixed
+        _check_ran_everywhere([u.layer for u in units], ran_max != ran_min)
+
+
+_pending_checks: list[tuple[object, torch.Tensor, list[str]]] = []  # (event, flags, names)
+
+
+def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
+    """Every rank holds the same reduced flags, so every rank raises. Read without a device
+    sync: on CPU now (`tolist` is a plain read), on an accelerator through a non-blocking
+    copy that a later refresh reads once it has landed (the error comes a step late)."""
+    if mixed.device.type == "cpu":
+        _raise_if_mixed(names, mixed.tolist())
+        return
+    host = torch.empty(mixed.shape, dtype=torch.bool, pin_memory=True)
+    host.copy_(mixed, non_blocking=True)
+    event = torch.Event(mixed.device)
+    event.record()
+    _pending_checks.append((event, host, names))
+
+
+def read_pending_checks() -> None:
+    while _pending_checks and _pending_checks[0][0].query():
+        _, host, names = _pending_checks.pop(0)
+        _raise_if_mixed(names, host.tolist())
+
+
+def _raise_if_mixed(names: list[str], mixed: list[bool]) -> None:
+    bad = sorted({name for name, m in zip(names, mixed, strict=True) if m})
+    if bad:
+        raise ValueError(
+            f"delayed-scaling layers {bad} ran a training forward on some ranks but not on "
+            "others since the last sync: every rank must run the same layers between syncs "
+            "(their amaxes were not used)"
+        )
+
+
+def _device_of(units: list[Unit]) -> torch.device:
+    return units[0].param.device if units else torch.device("cpu")
+
+
+def _local_hp_weight(weight: torch.Tensor) -> torch.Tensor:
+    local = weight._local_tensor if isinstance(weight, DTensor) else weight
+    return local._tensor if isinstance(local, Float8WeightWrapper) else local
