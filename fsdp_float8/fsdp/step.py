@@ -41,12 +41,14 @@ from torch.optim.optimizer import (
 )
 
 from fsdp_float8.fsdp import refresh as _refresh
-from fsdp_float8.core.amax_sync import Group
+from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, mesh_of, units_of
 from fsdp_float8.fsdp.weight_wrappers import replaced_parameter
+from fsdp_float8.fsdp.weight_wrappers.base import BEFORE_ALL_GATHER
 
 _AUTO, _FORWARD, _EXPLICIT = "after optimizer step", "before forward", "explicit call"
 _STEP_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root module -> step
+_LAYER_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float8 layer -> step
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class Float8Step:
         """Refresh automatically after each optimizer step (and before the first forward)."""
         self._enabled = True
         _install_forward_hook(self.model)
+        self._units()  # its layers now know it (the all-gather hook asks)
         return self
 
     def disable(self) -> Float8Step:
@@ -111,11 +114,11 @@ class Float8Step:
         units = self._units()
         grouped = grouped_units(units)
         layers = dict.fromkeys(u.layer for u, _ in units if u.float8)
-        delayed = dict.fromkeys(u.layer for u, _ in units if u.delayed())
+        delayed = dict.fromkeys(u.layer for u, _ in units if u.delayed() is not None)
         return StepPlan(
             enabled=self._enabled,
             float8_layers=tuple(layers),
-            precomputed_weights=tuple(u.fqn for u, _ in units if u.dynamic_weight()),
+            precomputed_weights=tuple(u.fqn for u, _ in units if u.dynamic_weight() is not None),
             delayed_layers=tuple(delayed),
             collectives_per_step=_refresh.collectives(grouped),
         )
@@ -123,7 +126,11 @@ class Float8Step:
     def _units(self) -> list[tuple[Unit, Group]]:
         model = self.model
         default = mesh_of(model)
-        return [(u, default) for u in units_of(model)]
+        units = units_of(model)
+        for u in units:
+            if u.float8:
+                _LAYER_STEP[u.module] = self
+        return [(u, default) for u in units]
 
     def __repr__(self) -> str:
         return f"Float8Step({self.describe()})"
@@ -198,6 +205,8 @@ def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
             if state is not None and (step_due or state.unseeded):
                 due.add(id(state))
     grouped = grouped_units(list(units.values()))
+    if mode == _FORWARD and not any(map(group_of, grouped)):
+        return 0, 0  # one process: nothing a forward needs first (eager == compiled)
     stale = any(
         (w := u.dynamic_weight()) is not None and not w.has_fresh_precomputed_scale()
         for u, _ in units.values()
@@ -289,6 +298,18 @@ def _before_forward_eager(module: nn.Module) -> None:
         return
     _refresh_steps([step], _FORWARD)
     _count_forward(step)
+
+
+def _before_all_gather(module: nn.Module) -> None:
+    """A weight about to be all-gathered with no fresh scale (the first forward of a
+    converted container, a checkpoint load since the last step): refresh its whole model
+    now, one collective, rather than one all-reduce per weight."""
+    step = _LAYER_STEP.get(module)
+    if step is not None and step._enabled:
+        _refresh_steps([step], _FORWARD)
+
+
+BEFORE_ALL_GATHER.append(_before_all_gather)
 
 
 def _count_forward(step: Float8Step) -> None:

@@ -145,6 +145,13 @@ def _written_wrappers(func, args, kwargs) -> list[Float8WeightWrapper]:
     return written
 
 
+_DEEPCOPYING = 0  # > 0 inside Float8WeightWrapper.__deepcopy__ (see data_ptr)
+
+# called with the module before a stale weight's all-gather: the float8 step registers
+# one (`fsdp_float8.fsdp.step`), which refreshes the module's whole model in one collective
+BEFORE_ALL_GATHER: list = []
+
+
 class Float8WeightWrapper(torch.Tensor):
     _tensor: torch.Tensor
     _config: Float8LinearConfig
@@ -174,8 +181,17 @@ class Float8WeightWrapper(torch.Tensor):
     def data_ptr(self) -> int:
         # the inner tensor's address, not a wrapper subclass's 0: tools that key parameters
         # by data_ptr() (accelerate re-maps optimizer parameters after FSDP2 this way)
-        # must see one distinct, non-zero key per weight
-        return self._tensor.data_ptr()
+        # must see one distinct, non-zero key per weight. Tensor.__deepcopy__ asks it too,
+        # to tell a wrapper (0: copy by clone) from a tensor with storage.
+        return 0 if _DEEPCOPYING else self._tensor.data_ptr()
+
+    def __deepcopy__(self, memo):
+        global _DEEPCOPYING
+        _DEEPCOPYING += 1
+        try:
+            return torch.Tensor.__deepcopy__(self, memo)
+        finally:
+            _DEEPCOPYING -= 1
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._config
@@ -259,8 +275,15 @@ class Float8WeightWrapper(torch.Tensor):
         cfg = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT)
         return cfg.scaling_granularity is ScalingGranularity.AXISWISE
 
+    def needs_refresh(self) -> bool:
+        """Whether the float8 step has a scale to compute for this weight (host state)."""
+        return False
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
+        if self.needs_refresh():  # the float8 step refreshes the whole model at once
+            for hook in BEFORE_ALL_GATHER:
+                hook(module)
         # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
         # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
         sharded = getattr(module, "weight", None)

@@ -20,6 +20,9 @@ class DelayedFloat8Weight(Float8WeightWrapper):
     def _copy_state_to(self, new) -> None:
         new.scale_source = self.scale_source
 
+    def needs_refresh(self) -> bool:
+        return self.scale_source is not None and self.scale_source.unseeded
+
     def float8_scale(self, mesh) -> torch.Tensor:
         if self.scale_source is None:
             raise ValueError(

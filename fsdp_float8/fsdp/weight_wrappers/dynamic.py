@@ -22,6 +22,9 @@ class DynamicFloat8Weight(Float8WeightWrapper):
     def set_precomputed_scale(self, scale: torch.Tensor) -> None:
         self.stamp_scale(scale)
 
+    def needs_refresh(self) -> bool:
+        return not self.rowwise and not self.has_fresh_precomputed_scale()
+
     def has_fresh_precomputed_scale(self) -> bool:
         """True while the scale stored by the last precompute matches the current values
         (host-side integer checks, no device sync)."""
