@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
 from fsdp_float8.core.config import Operand
 from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
 from fsdp_float8.experts.modules import Float8ExpertsBase
-from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint
 from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper

@@ -40,8 +40,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from fsdp_float8.fsdp import refresh as _refresh
 from fsdp_float8.core.amax_sync import Group, group_of
+from fsdp_float8.fsdp import refresh as _refresh
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, mesh_of, units_of
 from fsdp_float8.fsdp.weight_wrappers import replaced_parameter
 from fsdp_float8.fsdp.weight_wrappers.base import BEFORE_ALL_GATHER
@@ -75,7 +75,7 @@ class Float8Step:
     """The float8 step of one module tree (see the module docstring). Get it with
     `float8_step(model)`; `disable()` / `enable()` switch the automatic refresh."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, mark: bool = True) -> None:
         self._model = weakref.ref(model)
         self._enabled = False
         self._epoch = 0  # optimizer steps begun on the model's parameters
@@ -83,6 +83,8 @@ class Float8Step:
         self._stepped_epoch = -1  # the epoch whose optimizer step has completed
         self._forwards = [0, None]  # training forwards since the last sync, its marker
         _STEP_OF[model] = self
+        if mark:
+            model._float8_step_marker = _Marker(id(model))
 
     @property
     def model(self) -> nn.Module:
@@ -134,6 +136,23 @@ class Float8Step:
 
     def __repr__(self) -> str:
         return f"Float8Step({self.describe()})"
+
+
+class _Marker:
+    """On the model: `copy.deepcopy(model)` gets a step of its own, on or off as the
+    original's (torch.compile users deep-copy a converted model; a compiled root never runs
+    the forward hook that would otherwise create it). Pickles as an int."""
+
+    def __init__(self, model_id: int) -> None:
+        self.model_id = model_id
+
+    def __deepcopy__(self, memo):
+        new_model = memo.get(self.model_id)
+        source = next((s for m, s in _STEP_OF.items() if id(m) == self.model_id), None)
+        if isinstance(new_model, nn.Module) and source is not None:
+            Float8Step(new_model, mark=False)._enabled = source._enabled
+            return _Marker(id(new_model))
+        return _Marker(self.model_id)
 
 
 def float8_step(model: nn.Module) -> Float8Step:

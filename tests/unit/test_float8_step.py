@@ -59,10 +59,17 @@ def _train(model: nn.Module, forward, steps: int = 2) -> list[torch.Tensor]:
 
 def _eager_and_compiled(config: Float8LinearConfig, backend: str) -> None:
     eager = _mlp(config)
-    compiled = copy.deepcopy(eager)
+    compiled = copy.deepcopy(eager)  # a deep copy gets a float8 step of its own
     fn = torch.compile(compiled, backend=backend, fullgraph=True)
-    for a, b in zip(_train(eager, eager), _train(compiled, fn), strict=True):
-        assert torch.equal(a, b)
+    if backend == "aot_eager":  # the same ops: bit for bit, outputs and trained weights
+        for a, b in zip(_train(eager, eager), _train(compiled, fn), strict=True):
+            assert torch.equal(a, b)
+        return
+    # inductor fuses (GELU, bias): its first output differs from eager by float32 rounding
+    # (measured 1.8e-7 on values up to 0.62, ~3e-7 relative); bound 1e-5 relative. Later
+    # steps are not compared: one element rounding to another float8 value diverges them.
+    a, b = _train(eager, eager, steps=1)[0], _train(compiled, fn, steps=1)[0]
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 # the float8 all-gather config changes the weight (a wrapper) in every recipe; both configs
