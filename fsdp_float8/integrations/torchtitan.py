@@ -44,7 +44,7 @@ from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState  # noqa: E402
-from fsdp_float8.fsdp.step import precompute_float8_dynamic_scale_for_fsdp  # noqa: E402
+from fsdp_float8.fsdp.step import float8_step as _enable_float8_step  # noqa: E402
 from fsdp_float8.nn.linear import Float8Linear  # noqa: E402
 
 _SCALING_TYPES = ("dynamic", "delayed", "static")
@@ -174,20 +174,13 @@ class Float8Converter(QuantizationConverter):
 
 
 def float8_post_optimizer_build(optimizers, model_parts, parallel_dims=None) -> None:
-    """The float8 step for a torchtitan run: after each optimizer step, refresh every model
-    part's precomputed weight scales and delayed-scaling state in one collective. Use as
-    `ModelSpec.post_optimizer_build_fn`; the first refresh runs now, so the first forward
-    also gathers with a precomputed scale."""
-    parts = [p for p in model_parts if any(isinstance(m, Float8Linear) for m in p.modules())]
-    if not parts:
-        return
-
-    def refresh(*_args) -> None:
-        for part in parts:
-            precompute_float8_dynamic_scale_for_fsdp(part)
-
-    optimizers.register_step_post_hook(refresh)
-    refresh()
+    """The float8 step for a torchtitan run: `fsdp_float8.float8_step(part)` for each model
+    part that holds float8 layers (a refresh of precomputed weight scales and delayed state
+    after each optimizer step, one collective per reduction group). Use as the model spec's
+    `post_optimizer_build_fn`."""
+    for part in model_parts:
+        if any(isinstance(m, Float8Linear) for m in part.modules()):
+            _enable_float8_step(part)
 
 
 # -- --override.imports: the stock configs, unchanged on disk ------------------------------

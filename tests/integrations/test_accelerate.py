@@ -21,9 +21,6 @@ from tests.f8train.launch import REPO, torchrun_command
 pytestmark = pytest.mark.extras
 
 
-# Known failure until data_ptr() of a weight wrapper is its inner tensor's (measured on this
-# main: losses equal at step 1, apart from step 2 on); not strict, so the fix turns it green.
-@pytest.mark.xfail(reason="float8 weight wrappers report data_ptr() 0: accelerate merges them")
 def test_accelerate_fsdp2_bf16_losses_equal_the_loop_by_hand(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     record = tmp_path / "losses.json"
