@@ -57,12 +57,16 @@ def cpu_scaled_mm_takes_row_scales() -> bool:
 
 
 def _probe_row_scales() -> bool:
-    cpu = {"device": "cpu"}  # explicit: an import under a torch.device("meta") context
-    a = torch.ones(2, 16, **cpu).to(torch.float8_e4m3fn)
-    b = torch.ones(2, 16, **cpu).to(torch.float8_e4m3fn).t()
+    cpu = torch.device("cpu")  # explicit: an import under a torch.device("meta") context
+    a = torch.ones(2, 16, device=cpu).to(torch.float8_e4m3fn)
+    b = torch.ones(2, 16, device=cpu).to(torch.float8_e4m3fn).t()
     try:
         out = torch._scaled_mm(
-            a, b, torch.ones(2, 1, **cpu), torch.full((1, 2), 2.0, **cpu), out_dtype=torch.float32
+            a,
+            b,
+            torch.ones(2, 1, device=cpu),
+            torch.full((1, 2), 2.0, device=cpu),
+            out_dtype=torch.float32,
         )
     except RuntimeError:  # torch 2.11: "only supports per-tensor scaling for CPU backend"
         return False

@@ -90,7 +90,7 @@ def has_work(unit: Unit) -> bool:
     return unit.dynamic_weight() is not None or unit.delayed() is not None
 
 
-def needs_check(grouped: dict[object, list[Unit]]) -> bool:
+def needs_check(grouped: dict[Group, list[Unit]]) -> bool:
     """Whether a group holds float8 units whose ranks were not checked yet."""
     return any(
         group_of(group) is not None and any(u.float8 and u.module not in _checked for u in us)
@@ -115,22 +115,22 @@ def mesh_of(model: nn.Module) -> Group:
     return None
 
 
-def grouped_units(units: list[tuple[Unit, Group]]) -> dict[object, list[Unit]]:
+def grouped_units(units: list[tuple[Unit, Group]]) -> dict[Group, list[Unit]]:
     """(unit, the default group of its model) -> units by reduction group, in order."""
-    groups: dict[object, list[Unit]] = {}
+    groups: dict[Group, list[Unit]] = {}
     for u, default in units:
         groups.setdefault(group_for(u, default), []).append(u)
     return groups
 
 
-def collectives(grouped: dict[object, list[Unit]]) -> int:
+def collectives(grouped: dict[Group, list[Unit]]) -> int:
     """Refresh collectives a step with work in every unit would issue: one per group that
     spans more than one rank and holds a unit with a precomputed or delayed scale."""
     return sum(1 for g, us in grouped.items() if group_of(g) is not None and any(map(has_work, us)))
 
 
 @torch.no_grad()
-def refresh_units(grouped: dict[object, list[Unit]], delayed_due: set[int]) -> tuple[int, int]:
+def refresh_units(grouped: dict[Group, list[Unit]], delayed_due: set[int]) -> tuple[int, int]:
     """Refresh every dynamic weight of the units and sync the delayed layers whose state's
     id is in `delayed_due`: one collective per reduction group. Returns (weights, delayed
     operands)."""
@@ -160,7 +160,7 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int]):
         pow2 = w.strategy.power_of_2
         w.set_precomputed_scale(scale_from_amax(table[0, i], w.float8_dtype, power_of_2=pow2))
     _apply_delayed(units, states, table)
-    return len(weights), sum(len(units[i].delayed().operands) for i in states)
+    return len(weights), sum(len(s.operands) for i in states if (s := units[i].delayed()))
 
 
 def _slot_columns(units: list[Unit], delayed_due: set[int]):
@@ -173,7 +173,9 @@ def _slot_columns(units: list[Unit], delayed_due: set[int]):
         cols[0][i] = amax.reshape(())
     states = [i for i, u in enumerate(units) if id(u.delayed()) in delayed_due]
     for i in states:
-        slots = units[i].delayed().slots(_local_hp_weight(units[i].param))
+        state = units[i].delayed()
+        assert state is not None  # `states` holds the delayed units only
+        slots = state.slots(_local_hp_weight(units[i].param))
         for k, op in enumerate(_SLOTS):
             if op in slots:
                 cols[k][i] = slots[op].to(device)
@@ -185,13 +187,14 @@ def _apply_delayed(units: list[Unit], states: list[int], table: torch.Tensor) ->
     ran_max, ran_min = table[len(_SLOTS)], -table[len(_SLOTS) + 1]
     for i in states:
         state = units[i].delayed()
+        assert state is not None  # `states` holds the delayed units only
         amaxes = {op: table[k, i] for k, op in enumerate(_SLOTS) if op in state.operands}
         state.apply_reduced(amaxes, ran_min[i] > 0)
     if states:  # units that are not synced hold zeros on every rank: never mixed
         _check_ran_everywhere([u.layer for u in units], ran_max != ran_min)
 
 
-_pending_checks: list[tuple[object, torch.Tensor, list[str]]] = []  # (event, flags, names)
+_pending_checks: list[tuple[torch.Event, torch.Tensor, list[str]]] = []  # (event, flags, names)
 
 
 def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:

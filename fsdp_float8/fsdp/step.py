@@ -31,7 +31,9 @@ after `optimizer.step()`, or from an optimizer step hook, they add no collective
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -81,10 +83,10 @@ class Float8Step:
         self._epoch = 0  # optimizer steps begun on the model's parameters
         self._synced_epoch = -1  # the epoch of the last delayed sync
         self._stepped_epoch = -1  # the epoch whose optimizer step has completed
-        self._forwards = [0, None]  # training forwards since the last sync, its marker
+        self._forwards = [0, -1]  # training forwards since the last sync, its sync count
         _STEP_OF[model] = self
         if mark:
-            model._float8_step_marker = _Marker(id(model))
+            setattr(model, "_float8_step_marker", _Marker(id(model)))  # noqa: B010
 
     @property
     def model(self) -> nn.Module:
@@ -192,12 +194,12 @@ def sync_float8_amax_and_scale_history(model: nn.Module, *, group: Group = None)
     the first forward it seeds every delayed weight's scale from the weight itself."""
     step = _step_for(model)
     units = step._units()
+    states = [s for u, _ in units if (s := u.delayed()) is not None]
     if group is not None:
-        for u, _ in units:
-            if u.delayed() is not None:
-                u.delayed().use_group(group)
+        for state in states:
+            state.use_group(group)
     _refresh_steps([step], _EXPLICIT)
-    return sum(len(u.delayed().operands) for u, _ in units if u.delayed() is not None)
+    return sum(len(state.operands) for state in states)
 
 
 def _delayed_due(step: Float8Step, mode: str) -> bool:
@@ -309,7 +311,7 @@ def _before_forward_eager(module: nn.Module) -> None:
     first = next(iter(hooks))
     if hooks[first] is not _before_forward:  # fully_shard prepended its root hook: go first
         key = next(k for k, h in hooks.items() if h is _before_forward)
-        hooks.move_to_end(key, last=False)
+        cast(OrderedDict, hooks).move_to_end(key, last=False)
     if not (module.training and torch.is_grad_enabled()):
         return  # an evaluation forward never starts a collective
     step = _STEP_OF.get(module) or float8_step(module)  # a deep copy has no step yet
@@ -334,7 +336,7 @@ BEFORE_ALL_GATHER.append(_before_all_gather)
 def _count_forward(step: Float8Step) -> None:
     # counted outside any compiled region and never by an activation-checkpoint recompute
     # (which does not go through the root's forward)
-    states = [u.delayed() for u, _ in step._units() if u.delayed() is not None]
+    states = [s for u, _ in step._units() if (s := u.delayed()) is not None]
     if not states:
         return
     counter = step._forwards

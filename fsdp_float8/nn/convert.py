@@ -108,9 +108,9 @@ def convert_to_float8_training(
         report.converted.append(swap.fqn)
     for swap in expert_plan:
         assert swap.config is not None  # _plan_experts sets it
-        new = expert_modules.to_float8_experts(swap.linear, swap.config)
-        _name_replaced(swap, new, new.weight_names)
-        setattr(swap.parent, swap.name, new)
+        experts = expert_modules.to_float8_experts(swap.linear, swap.config)
+        _name_replaced(swap, experts, experts.weight_names)
+        setattr(swap.parent, swap.name, experts)
         report.experts_converted.append(swap.fqn)
     model.float8_conversion_report = report  # type: ignore[assignment]
     if report.converted or report.experts_converted:
