@@ -159,7 +159,11 @@ class DelayedScalingState(nn.Module):
         it ran (`fp8_forwards > 0`). An unseeded weight's amax is recorded from
         `local_weight` (the high-precision local shard) first."""
         if Operand.WEIGHT in self.operands and not self.weight_ready:
-            self.view(Operand.WEIGHT).record(tensor_amax(local_weight))
+            # a forward that ran recorded the weight it cast; the weight as it is now (after
+            # the optimizer step) is the next step's, as in a run seeded before its forward
+            amax = tensor_amax(local_weight)
+            ran = self.fp8_forwards > 0
+            self.view(Operand.WEIGHT).record(torch.where(ran, torch.zeros_like(amax), amax))
         out: dict[Operand | str, torch.Tensor] = {op: self.view(op).amax for op in self.operands}
         out["ran"] = (self.fp8_forwards > 0).to(torch.float32)
         return out

@@ -134,12 +134,12 @@ def test_bench_fsdp_quick_torchrun(tmp_path):
 
     assert scale_ars("bf16", "per_step") == 0
     assert scale_ars("float8_bf16_ag", "per_step") == 0
-    # the refresh hook: one all-reduce per step, none before the first forward (the loop
-    # calls nothing) and none per weight; the first step's refresh is the all_gather that
-    # also checks the ranks' configs
+    # the float8 step: one all-reduce per step, after each optimizer.step() (so the first
+    # step has its own), none before the first forward (the loop calls nothing) and none
+    # per weight; before the first forward an all_gather checks the ranks' configs
     assert [scale_ars("float8_ag_precompute", p) for p in ("init", "first_step", "per_step")] == [
         0,
-        0,
+        1,
         1,
     ]
     first = res["float8_ag_precompute"]["first_step"]["all_gather_count"]
