@@ -139,6 +139,12 @@ def main() -> None:
     out = {"accelerate": accelerated, "by_hand": reference}
     with open(f"{sys.argv[1]}.rank{rank}", "w") as f:
         json.dump(out, f)
+    # leave together: a rank that exits while gloo's threads still serve its peer can die in
+    # C++ teardown ("terminate called without an active exception", seen once in CI's lane)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
