@@ -15,6 +15,14 @@ import torch
 
 from f8train.count_kernels import OpCounter, compiled_kernel_count, eager_counts
 
+# The pins are torch 2.13.0's counts (CI's torch); inductor and the dispatcher fuse and
+# decompose differently on other versions (2.11 gives other counts), so they pin nothing there.
+_PINNED_ON = "2.13.0"
+pinned = pytest.mark.skipif(
+    not torch.__version__.startswith(_PINNED_ON),
+    reason=f"counts pinned on torch {_PINNED_ON}, this is {torch.__version__}",
+)
+
 # inductor kernels, SwiGLU block (dim 512, hidden 1408, 4x256 tokens, bf16)
 COMPILED_PIN = {"tensorwise": 30, "rowwise": 72}
 COMPILED_TORCHAO = {"tensorwise": 32, "rowwise": 82}
@@ -29,6 +37,7 @@ BF16_CLONES = 13  # FSDP2's and the model's own, in the bf16 step
 LINEARS = 28
 
 
+@pinned
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_compiled_kernels_pinned(recipe):
     assert COMPILED_PIN[recipe] <= COMPILED_TORCHAO[recipe]
@@ -39,6 +48,7 @@ def test_compiled_kernels_pinned(recipe):
     )
 
 
+@pinned
 def test_eager_ops_pinned():
     results = eager_counts([("ours", "tensorwise"), ("ours", "rowwise")])
     for (_, recipe), r in results.items():
