@@ -1,15 +1,14 @@
-"""Shared helpers of the benchmark scripts: timing, device peaks, tables, JSON.
+"""Shared helpers of the benchmark scripts: CLI, timing, device peaks, tables, JSON.
 
-Mental model: a benchmark times a zero-argument callable with `time_ms`, which warms it up
-and returns the median over `iters` runs (CUDA events on a GPU, `time.perf_counter` on the
-CPU, so the number is the device's time, not the launch time), and reports rows that go
-both into a markdown table (`markdown_table`) and into a JSON file (`write_json`, written
-again after every row so a run cut short by a timeout still leaves its results). Every JSON
-file opens with `environment()`: date, torch version, device, threads, git commit.
+A benchmark times a zero-argument callable with `time_ms` (the median of `iters` calls after
+`warmup`: CUDA events on a GPU, wall and process CPU time on the CPU) and hands each result
+row to a `Report`, which prints the row as a table line and rewrites the JSON file at once,
+so a run cut short keeps every row it measured. Every JSON file opens with `environment()`.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -36,16 +35,36 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "L40S": {"bf16": 362.0},
     "L4": {"bf16": 121.0},
 }
+Column = tuple[str, Callable[[dict], str]]
+
+
+def peak_tflops(device: torch.device) -> dict[str, float] | None:
+    """Dense peaks of a known GPU, matched by a word of its name ("NVIDIA A100-SXM4-80GB"
+    is A100, "NVIDIA L4" is not L40S); None on the CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    words = torch.cuda.get_device_name(device).replace("-", " ").split()
+    return next((peaks for key, peaks in PEAK_TFLOPS.items() if key in words), None)
+
+
+def bench_parser(doc: str | None, *, timing: bool = True) -> argparse.ArgumentParser:
+    """The flags every benchmark takes (`timing`: also --threads, --warmup, --iters)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few iterations (smoke)")
+    p.add_argument("--json", default=None, help="write the results here")
+    if timing:
+        p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
+        p.add_argument("--warmup", type=int, default=None)
+        p.add_argument("--iters", type=int, default=None)
+    return p
 
 
 def resolve_device(name: str | None, *, threads: int | None = None) -> torch.device:
-    """'cpu', 'cuda' or None (CUDA when available); refuses CUDA on a machine without it.
-    `threads`, when given, sets the CPU intra-op thread count (`--threads`)."""
+    """'cpu', 'cuda' or None (CUDA when available); refuses CUDA on a machine without it."""
     if threads:
         torch.set_num_threads(threads)
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             f"--device {name} asked for CUDA, but torch.cuda.is_available() is False "
@@ -59,92 +78,60 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(
-    fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 10
-) -> dict[str, float]:
-    """Median, min and max milliseconds of `fn()` after `warmup` untimed calls.
-
-    On the CPU also `cpu_median_ms`: the process CPU time per call (all its threads). On a
-    machine shared with other jobs the wall clock includes time spent waiting for a core;
-    with one thread (`torch.set_num_threads(1)`) the CPU time does not.
-    """
+def time_ms(fn: Callable[[], object], device, *, warmup=3, iters=10) -> dict[str, float]:
+    """Median, min and max ms of `fn()` after `warmup` untimed calls. On the CPU also
+    `cpu_median_ms`, the process CPU time per call: with one thread it leaves out the time
+    spent waiting for a core on a machine shared with other jobs."""
     for _ in range(warmup):
         fn()
     synchronize(device)
     times: list[float] = []
-    cpu_times: list[float] = []
+    cpu: list[float] = []
     if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for start, end in zip(starts, ends):
+        pairs = [[torch.cuda.Event(enable_timing=True) for _ in "se"] for _ in range(iters)]
+        for start, end in pairs:
             start.record()
             fn()
             end.record()
         torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        times = [start.elapsed_time(end) for start, end in pairs]
     else:
         for _ in range(iters):
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-            cpu_times.append((time.process_time() - c0) * 1e3)
+            cpu.append((time.process_time() - c0) * 1e3)
     out = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
-    if cpu_times:
-        out["cpu_median_ms"] = statistics.median(cpu_times)
+    if cpu:
+        out["cpu_median_ms"] = statistics.median(cpu)
     return out
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine() or "cpu"
-
-
-def peak_tflops(device: torch.device) -> dict[str, float] | None:
-    """{'bf16': ..., 'fp8': ...} dense peaks for a known GPU (a word of its name, e.g.
-    "NVIDIA H200" or "NVIDIA A100-SXM4-80GB"), None otherwise (CPU)."""
-    if device.type != "cuda":
-        return None
-    words = torch.cuda.get_device_name(device).replace("-", " ").split()
-    return next((peaks for key, peaks in PEAK_TFLOPS.items() if key in words), None)
-
-
-def git_commit() -> str | None:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        return None
-    return f"{sha}{'+dirty' if dirty else ''}" if sha else None
-
-
 def environment(device: torch.device) -> dict[str, Any]:
+    """Date, versions, device, threads, commit ('+dirty' with local changes) and command."""
+    try:
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty=+dirty", "--exclude=*"],
+            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+    except OSError:
+        commit = ""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    cuda = device.type == "cuda"
     return {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(device),
-        "device_name": device_name(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if cuda
+        else platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "git_commit": git_commit(),
-        "command": command_line(),
+        "git_commit": commit or None,
+        "command": " ".join(head + sys.argv[1:]),
     }
-
-
-def command_line() -> str:
-    """How this process was started, as `python -m f8train.NAME ...` for a module."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
-    return " ".join(head + sys.argv[1:])
 
 
 def write_json(path: str | os.PathLike | None, payload: dict[str, Any]) -> None:
@@ -162,29 +149,54 @@ def parse_choices(parser, text: str, known: Sequence[str], what: str) -> list[st
     """A comma-separated list of names from `known`; an unknown name is a parser error."""
     names = [n for n in text.split(",") if n]
     unknown = sorted(set(names) - set(known))
-    if unknown:
+    if unknown or not names:
         parser.error(f"unknown {what} {unknown}; expected some of {list(known)}")
     return names
 
 
 def fmt(value: Any, spec: str = ".2f") -> str:
-    """Format a number for a table; None, NaN and strings pass through readably."""
-    if value is None:
-        return "-"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    return format(value, spec)
+    """A number for a table; None, NaN and strings pass through readably."""
+    if value is None or isinstance(value, str | bool):
+        return "-" if value is None else str(value)
+    return "nan" if isinstance(value, float) and math.isnan(value) else format(value, spec)
+
+
+def column(header: str, key: str, spec: str = ".2f") -> Column:
+    return header, lambda row: fmt(row.get(key), spec)
+
+
+ERROR: Column = ("error", lambda row: row.get("error") or "")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |"]
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells[1:]]
-    return "\n".join(lines)
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    return "\n".join([lines[0], "|" + "|".join("-" * (w + 2) for w in widths) + "|", *lines[1:]])
+
+
+class Report:
+    """The JSON payload of a run: `add(row)` stores a result row, prints it as a table line
+    and rewrites the file; `done()` prints the whole table and returns the payload."""
+
+    def __init__(self, benchmark, device, path, columns: list[Column], **fields) -> None:
+        self.path, self.columns = path, columns
+        self.payload = {"benchmark": benchmark, "environment": environment(device), **fields}
+        self.payload["results"] = []
+
+    def cells(self, row: dict) -> list[str]:
+        return [cell(row) for _, cell in self.columns]
+
+    def add(self, row: dict) -> None:
+        self.payload["results"].append(row)
+        print(" | ".join(self.cells(row)), flush=True)
+        write_json(self.path, self.payload)
+
+    def done(self) -> dict:
+        rows = [self.cells(r) for r in self.payload["results"]]
+        print("\n" + markdown_table([h for h, _ in self.columns], rows))
+        write_json(self.path, self.payload)
+        return self.payload
 
 
 def short_error(exc: BaseException, limit: int = 160) -> str:
@@ -192,34 +204,21 @@ def short_error(exc: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def reset_compiler() -> None:
-    """Forget earlier compiled graphs, so each compiled case is compiled on its own and no
-    recompile limit (or automatic dynamic shapes) carries over from the previous case."""
-    torch._dynamo.reset()
-
-
-def _backend_kind(name: str) -> str | None:
-    """'gloo:all_reduce' / 'nccl:_all_gather_base' ... -> a CollectiveKind value."""
-    backend, _, op = name.partition(":")
-    if backend not in ("gloo", "nccl", "mpi", "ucc") or not op:
-        return None
-    op = op.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
-    for kind in ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "all_to_all"):
-        if kind in op:
-            return kind
-    return "other"
+def torchao_error() -> str | None:
+    """None when torchao's float8 imports (it is no dependency), else why not."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:
+        return short_error(exc)
+    return None
 
 
 class StepProbe:
-    """Profiles one step for two figures that a dispatch mode cannot give.
-
-    - `backend_counts`: collectives by kind as the backend ran them (the profiler's
-      `gloo:*` / `nccl:*` events). Unlike `CollectiveCounter` this also sees collectives
-      that a tensor subclass (DTensor) issues inside its own op dispatch.
-    - `peak_mib`: peak memory of the step above what was live when it started. CUDA:
-      `torch.cuda.max_memory_allocated`. CPU: every CPU tensor allocation and free the
-      profiler saw (`profile_memory=True`), summed in time order; None if unavailable.
-    """
+    """Profiles one step for two figures a dispatch mode cannot give: `backend_counts`,
+    collectives by kind as the backend ran them (the profiler's `gloo:*`/`nccl:*` events,
+    which also see what DTensor issues inside its own ops), and `peak_mib`, the step's peak
+    memory above what was live at its start (CUDA: the allocator's peak; CPU: the profiler's
+    allocation events summed in time order; None if unavailable)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -243,16 +242,24 @@ class StepProbe:
         self._prof.__exit__(*exc)
         if exc[0] is not None:
             return
-        counts: dict[str, int] = {}
         for event in self._prof.events():
             kind = _backend_kind(event.name)
             if kind:
-                counts[kind] = counts.get(kind, 0) + 1
-        self.backend_counts = counts
+                self.backend_counts[kind] = self.backend_counts.get(kind, 0) + 1
         if self.device.type == "cuda":
             self.peak_mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
         else:
             self.peak_mib = _cpu_peak_mib(self._prof)
+
+
+def _backend_kind(name: str) -> str | None:
+    """'gloo:all_reduce', 'nccl:_all_gather_base', ... -> a collective kind."""
+    backend, _, op = name.partition(":")
+    if backend not in ("gloo", "nccl", "mpi", "ucc") or not op:
+        return None
+    op = op.replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+    kinds = ("reduce_scatter", "all_gather", "all_reduce", "broadcast", "all_to_all")
+    return next((kind for kind in kinds if kind in op), "other")
 
 
 def _cpu_peak_mib(prof) -> float | None:
@@ -269,14 +276,12 @@ def _cpu_peak_mib(prof) -> float | None:
 
 
 class HostReads(TorchDispatchMode):
-    """Counts `aten._local_scalar_dense` (what `.item()`, `bool(t)`, `float(t)` run): `count`
-    all of them, `device_count` those of a non-CPU tensor (each a device sync). On a CPU run
-    every read is a CPU read; compare configs against bf16 (the optimizer's own reads)."""
+    """Counts `aten._local_scalar_dense` (what `.item()`, `bool(t)` run): `count` all,
+    `device_count` those of a non-CPU tensor (each a device sync)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
-        self.device_count = 0
+        self.count = self.device_count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:

@@ -6,113 +6,77 @@ Run (from the repository root):
     python -m f8train.bench_linear --device cuda --compile --shapes llama --json out/linear.json
     python -m f8train.bench_linear --quick --json /tmp/linear.json   # smoke test sizes
 
-Mental model: a shape is (M tokens, K in_features, N out_features). For each shape there is
-one `nn.Linear(K, N, bias=False)` in bf16 and, per recipe, a `Float8Linear.from_float` of
-it (same weight). One timed step is `layer(x).backward(grad_output)` with `x` (M, K) and
-`grad_output` (M, N) in bf16: the three GEMMs of a linear layer, 6*M*K*N FLOPs, plus every
-cast. Modes: `eager`, and `compile` (`torch.compile` of the layer, forward and backward;
-each case compiled afresh). A case that fails (an unsupported op, a compile error, out of
-memory) becomes a row with its error instead of ending the run.
-
-Columns: bf16 and float8 median ms, speedup = bf16 / float8, the float8 output's SQNR
-against the bf16 output, and on a known GPU the achieved TFLOP/s with the fraction of the
-device's dense peak (bf16 against the bf16 peak, float8 against the fp8 peak). With
-`--kernels`, one more profiled step per case splits its time into GEMMs and everything else
-(`f8train/bench_kernels.py`): the columns that say whether a float8 row is held back by its
-GEMMs or by the casts around them. On the CPU
-float8 is emulated by torch._scaled_mm (dequantize + float32 GEMM), so CPU rows measure
-overhead, not float8 speed.
+A shape is (M tokens, K in, N out). A step is `layer(x).backward(grad_output)` in bf16: the
+three GEMMs (6*M*K*N FLOPs) and every cast, for `nn.Linear` and each recipe's
+`Float8Linear.from_float` of it (same weight); `--compile` adds compiled layers. A failing
+case is a row with its error. Columns: median ms, speedup = bf16 / float8, the float8
+output's SQNR against bf16, on a known GPU TFLOP/s and % of the dense peak. `--kernels`
+splits one more step into GEMM time and the rest; `--profile` counts the aten ops of one
+eager step by kind. On the CPU float8 is emulated (dequantize + float32 GEMM): CPU rows
+measure overhead, not float8 speed.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8train.bench_common import (
-    environment,
+    ERROR,
+    Report,
+    bench_parser,
+    column,
     fmt,
     markdown_table,
     parse_choices,
     peak_tflops,
-    reset_compiler,
     resolve_device,
     short_error,
     synchronize,
     time_ms,
     write_json,
 )
-from f8train.bench_kernels import kernel_breakdown
 from fsdp_float8 import Float8Linear, Float8LinearConfig
 from fsdp_float8.core.numerics import sqnr_db
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
-MODES = ("eager", "compile")
+LLAMA3 = {"8b": (4096, 1024, 14336), "70b": (8192, 1024, 28672)}  # dim, kv dim, ffn hidden
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):
     name: str
     m: int
     k: int
     n: int
 
-    @property
-    def flops(self) -> int:
-        return 6 * self.m * self.k * self.n
 
-
-# Llama-3 layer shapes as (name, in_features K, out_features N).
-LLAMA3_LAYERS = {
-    "8b": [
-        ("attn.wq/wo", 4096, 4096),
-        ("attn.wk/wv", 4096, 1024),
-        ("ffn.w1/w3", 4096, 14336),
-        ("ffn.w2", 14336, 4096),
-    ],
-    "70b": [
-        ("attn.wq/wo", 8192, 8192),
-        ("attn.wk/wv", 8192, 1024),
-        ("ffn.w1/w3", 8192, 28672),
-        ("ffn.w2", 28672, 8192),
-    ],
-}
-
-
-def llama_shapes(tokens: int, ffn_only: bool = False) -> list[Shape]:
-    return [
-        Shape(f"llama3_{size}.{name}", tokens, k, n)
-        for size, layers in LLAMA3_LAYERS.items()
-        for name, k, n in layers
-        if not ffn_only or name.startswith("ffn")
-    ]
-
-
-def shapes_for(preset: str, tokens: int | None) -> list[Shape]:
-    """A preset name, or explicit shapes 'MxKxN,MxKxN'."""
+def shapes_for(preset: str) -> list[Shape]:
+    """A preset (quick, cpu, llama, llama_ffn: Llama-3 8B and 70B layers at 16384 tokens)
+    or explicit shapes 'MxKxN,MxKxN'."""
     if preset == "quick":
         return [Shape("tiny", 32, 64, 128), Shape("tiny_t", 64, 128, 64)]
     if preset == "cpu":
-        m = tokens or 512
         return [
-            Shape("square_1k", m, 1024, 1024),
-            Shape("up_1k_4k", m, 1024, 4096),
-            Shape("down_4k_1k", m, 4096, 1024),
-            Shape("llama3_8b.attn.wk/wv", tokens or 256, 4096, 1024),
+            Shape("square_1k", 512, 1024, 1024),
+            Shape("up_1k_4k", 512, 1024, 4096),
+            Shape("down_4k_1k", 512, 4096, 1024),
+            Shape("llama3_8b.attn.wk/wv", 256, 4096, 1024),
         ]
     if preset in ("llama", "llama_ffn"):
-        return llama_shapes(tokens or 16384, ffn_only=preset == "llama_ffn")
-    try:
         shapes = []
-        for spec in preset.split(","):
-            m, k, n = (int(v) for v in spec.lower().split("x"))
-            shapes.append(Shape(f"{m}x{k}x{n}", m, k, n))
+        for size, (d, kv, h) in LLAMA3.items():
+            layers = [("attn.wq/wo", d, d), ("attn.wk/wv", d, kv), ("ffn.w1/w3", d, h)]
+            for name, k, n in [*layers, ("ffn.w2", h, d)]:
+                if preset == "llama" or name.startswith("ffn"):
+                    shapes.append(Shape(f"llama3_{size}.{name}", 16384, k, n))
         return shapes
+    try:
+        mkn = [[int(v) for v in spec.lower().split("x")] for spec in preset.split(",")]
+        return [Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in mkn]
     except ValueError:
         raise SystemExit(
             f"--shapes {preset!r}: expected quick, cpu, llama, llama_ffn or 'MxKxN,...' "
@@ -120,31 +84,28 @@ def shapes_for(preset: str, tokens: int | None) -> list[Shape]:
         ) from None
 
 
-def _step(layer: nn.Module, x: torch.Tensor, grad_output: torch.Tensor):
-    params = list(layer.parameters())
-
-    def step() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        layer(x).backward(grad_output)
-
-    return step
-
-
 def _layer(base: nn.Linear, recipe: str | None, mode: str) -> nn.Module:
     layer: nn.Module = base
     if recipe is not None:
         layer = Float8Linear.from_float(base, Float8LinearConfig.from_recipe_name(recipe))
     if mode == "compile":
-        reset_compiler()
+        torch._dynamo.reset()  # each case compiled on its own
         layer = torch.compile(layer)
     return layer
 
 
+def _step(layer: nn.Module, x: torch.Tensor, grad_output: torch.Tensor):
+    def step() -> None:
+        for t in (x, *layer.parameters()):
+            t.grad = None
+        layer(x).backward(grad_output)
+
+    return step
+
+
 def run_case(base, recipe, mode, x, grad_output, device, args) -> dict:
-    """Time one (layer, mode); also its output, for the SQNR column, and with `--kernels`
-    the GEMM / other split of one more step."""
+    """Time one (layer, mode); its output for the SQNR column; with `--kernels` the
+    GEMM / other split of one more step."""
     try:
         layer = _layer(base, recipe, mode)
         step = _step(layer, x, grad_output)
@@ -160,103 +121,118 @@ def run_case(base, recipe, mode, x, grad_output, device, args) -> dict:
         return {"median_ms": None, "output": None, "error": short_error(exc)}
 
 
-def _tflops(flops: int, ms: float | None) -> float | None:
-    return flops / (ms * 1e-3) / 1e12 if ms else None
-
-
-def bench_shape(shape: Shape, args, device, peaks, on_row=None) -> list[dict]:
-    """bf16 and each recipe on one shape; `on_row(row)` after each row (the caller writes
-    its JSON there, so a run cut short keeps every row it measured)."""
+def _inputs(shape: Shape, device):
     torch.manual_seed(0)
     base = nn.Linear(shape.k, shape.n, bias=False, device=device, dtype=torch.bfloat16)
     x = torch.randn(shape.m, shape.k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad_output = torch.randn(shape.m, shape.n, device=device, dtype=torch.bfloat16)
-    rows = []
+    return base, x, torch.randn(shape.m, shape.n, device=device, dtype=torch.bfloat16)
+
+
+def bench_shape(shape: Shape, args, device, peaks, report: Report) -> None:
+    base, x, grad_output = _inputs(shape, device)
+    flops = 6 * shape.m * shape.k * shape.n
     for mode in args.modes:
         ref = run_case(base, None, mode, x, grad_output, device, args)
         for recipe in args.recipes:
             res = run_case(base, recipe, mode, x, grad_output, device, args)
-            bf16_ms, f8_ms = ref["median_ms"], res["median_ms"]
-            row = {
-                "shape": shape.name,
-                "M": shape.m,
-                "K": shape.k,
-                "N": shape.n,
-                "mode": mode,
-                "recipe": recipe,
-                "bf16_ms": bf16_ms,
-                "float8_ms": f8_ms,
-                "float8_min_ms": res.get("min_ms"),
-                "speedup": bf16_ms / f8_ms if bf16_ms and f8_ms else None,
-                "bf16_tflops": _tflops(shape.flops, bf16_ms),
-                "float8_tflops": _tflops(shape.flops, f8_ms),
-                "output_sqnr_db": (
-                    sqnr_db(ref["output"], res["output"])
-                    if ref["output"] is not None and res["output"] is not None
-                    else None
-                ),
-                "error": ref["error"] or res["error"],
-            }
-            if args.kernels:
-                row["bf16_split"], row["float8_split"] = ref.get("split"), res.get("split")
-            if peaks:
-                row["bf16_pct_peak"] = _pct(row["bf16_tflops"], peaks["bf16"])
-                row["float8_pct_peak"] = _pct(row["float8_tflops"], peaks.get("fp8"))
-            rows.append(row)
-            print(_progress(row), flush=True)
-            if on_row is not None:
-                on_row(row)
-    return rows
+            row = {"shape": shape.name, "M": shape.m, "K": shape.k, "N": shape.n}
+            row |= {"mode": mode, "recipe": recipe, "error": ref["error"] or res["error"]}
+            for name, r, peak in (("bf16", ref, "bf16"), ("float8", res, "fp8")):
+                ms = r["median_ms"]
+                tflops = row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
+                row[f"{name}_ms"] = ms
+                if args.kernels:
+                    row[f"{name}_split"] = r.get("split")
+                if tflops and (peaks or {}).get(peak):
+                    row[f"{name}_pct_peak"] = 100 * tflops / peaks[peak]
+            row["float8_min_ms"] = res.get("min_ms")
+            both = ref["median_ms"] and res["median_ms"]
+            row["speedup"] = ref["median_ms"] / res["median_ms"] if both else None
+            outs = ref["output"], res["output"]
+            row["output_sqnr_db"] = sqnr_db(*outs) if None not in outs else None
+            report.add(row)
 
 
-def _pct(tflops: float | None, peak: float | None) -> float | None:
-    return 100 * tflops / peak if tflops is not None and peak else None
+def _columns(peaks, kernels: bool) -> list:
+    cols = [column("shape", "shape"), ("M x K x N", lambda r: f"{r['M']}x{r['K']}x{r['N']}")]
+    cols += [column("mode", "mode"), column("recipe", "recipe")]
+    cols += [column("bf16 ms", "bf16_ms", ".3f"), column("float8 ms", "float8_ms", ".3f")]
+    cols += [column("speedup", "speedup"), column("out SQNR dB", "output_sqnr_db", ".1f")]
+    for name, peak in (("bf16", "% peak"), ("float8", "% fp8 peak")) if peaks else ():
+        cols.append((f"{name} TFLOP/s ({peak})", _tflops_cell(name)))
+    for name in ("bf16", "float8") if kernels else ():
+        cols.append((f"{name} GEMM / other ms", _split_cell(name)))
+    if kernels:
+        cols.append(
+            ("float8 kernels", lambda r: fmt((r["float8_split"] or {}).get("kernels"), "d"))
+        )
+    return cols + [ERROR]
 
 
-def _progress(row: dict) -> str:
-    text = (
-        f"{row['shape']} {row['M']}x{row['K']}x{row['N']} {row['mode']} {row['recipe']}: "
-        f"bf16 {fmt(row['bf16_ms'])} ms, float8 {fmt(row['float8_ms'])} ms, "
-        f"speedup {fmt(row['speedup'])}"
-    )
-    return text + (f" [{row['error']}]" if row["error"] else "")
+def _tflops_cell(name: str):
+    return lambda r: f"{fmt(r[f'{name}_tflops'], '.0f')} ({fmt(r.get(f'{name}_pct_peak'), '.0f')}%)"
 
 
-def table(rows: list[dict], peaks) -> str:
-    headers = ["shape", "M x K x N", "mode", "recipe", "bf16 ms", "float8 ms", "speedup"]
-    headers += ["out SQNR dB"]
-    if peaks:
-        headers += ["bf16 TFLOP/s (% peak)", "float8 TFLOP/s (% fp8 peak)"]
-    splits = any("float8_split" in r for r in rows)
-    if splits:
-        headers += ["bf16 GEMM / other ms", "float8 GEMM / other ms", "float8 kernels"]
-    headers += ["error"]
-    body = []
-    for r in rows:
-        line = [r["shape"], f"{r['M']}x{r['K']}x{r['N']}", r["mode"], r["recipe"]]
-        line += [fmt(r["bf16_ms"], ".3f"), fmt(r["float8_ms"], ".3f"), fmt(r["speedup"])]
-        line += [fmt(r["output_sqnr_db"], ".1f")]
-        if peaks:
-            line += [
-                f"{fmt(r['bf16_tflops'], '.0f')} ({fmt(r.get('bf16_pct_peak'), '.0f')}%)",
-                f"{fmt(r['float8_tflops'], '.0f')} ({fmt(r.get('float8_pct_peak'), '.0f')}%)",
-            ]
-        if splits:
-            line += [_split(r.get("bf16_split")), _split(r.get("float8_split"))]
-            line += [fmt((r.get("float8_split") or {}).get("kernels"), "d")]
-        line += [r["error"] or ""]
-        body.append(line)
-    return markdown_table(headers, body)
+def _split_cell(name: str):
+    def cell(r: dict) -> str:
+        split = r[f"{name}_split"]
+        return f"{fmt(split['gemm_ms'], '.3f')} / {fmt(split['other_ms'], '.3f')}" if split else "-"
+
+    return cell
 
 
-def _split(split: dict | None) -> str:
-    if not split:
-        return "-"
-    return f"{fmt(split['gemm_ms'], '.3f')} / {fmt(split['other_ms'], '.3f')}"
+GEMM_KERNEL_WORDS = ("gemm", "nvjet", "xmma", "cutlass", "wgmma")  # cuBLAS(Lt), CUTLASS
+GEMM_OPS = ("aten::mm", "aten::_scaled_mm", "aten::addmm", "aten::bmm", "aten::matmul")
+
+
+def kernel_breakdown(step, device: torch.device) -> dict:
+    """Profile one `step()`: {gemm_ms, other_ms, gemm_share, kernels, top_ms}. CUDA: each
+    kernel's GPU time, a GEMM when its name says so; `kernels` counts launches. CPU: the
+    outermost GEMM ops' CPU time (children included: `_scaled_mm` dequantizes inside)
+    against the step's wall time; compiled CPU kernels land in `other_ms`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * cuda]) as prof:
+        step()
+        synchronize(device)
+    events = list(prof.events())
+    count: int | None = None
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        times = [(e.name, e.time_range.elapsed_us() / 1e3) for e in kernels]
+        gemm = sum(t for name, t in times if any(w in name.lower() for w in GEMM_KERNEL_WORDS))
+        total, count = sum(t for _, t in times), len(kernels)
+    else:
+        total = sum(e.time_range.elapsed_us() for e in events if e.cpu_parent is None) / 1e3
+        gemm = sum(e.cpu_time_total for e in events if _outermost_gemm(e)) / 1e3
+        times = [(e.name, e.self_cpu_time_total / 1e3) for e in events]
+    by_name: Counter[str] = Counter()
+    for name, t in times:
+        by_name[name[:57] + "..." if len(name) > 60 else name] += t
+    return {
+        "gemm_ms": gemm,
+        "other_ms": max(total - gemm, 0.0),
+        "gemm_share": gemm / total if total else None,
+        "kernels": count,
+        "top_ms": {k: round(v, 3) for k, v in by_name.most_common(6)},
+    }
+
+
+def _outermost_gemm(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None and parent.name not in GEMM_OPS:
+        parent = parent.cpu_parent
+    return event.name in GEMM_OPS and parent is None
 
 
 class OpCensus(TorchDispatchMode):
     """Counts the aten ops of a region by what they do to a float8 linear's cost."""
+
+    REDUCTIONS = ("amax", "amin", "aminmax", "max", "linalg_vector_norm", "_foreach_norm")
+    PASSES = ("_to_copy", "mul", "mul_", "clamp", "clamp_", "abs", "reciprocal", "div")
 
     def __init__(self, small_numel: int) -> None:
         super().__init__()
@@ -265,14 +241,12 @@ class OpCensus(TorchDispatchMode):
         self.kinds: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         self.ops[str(func)] += 1
-        self.kinds[self._kind(func, args, kwargs)] += 1
+        self.kinds[self._kind(func.overloadpacket.__name__, args, kwargs or {})] += 1
         return out
 
-    def _kind(self, func, args, kwargs) -> str:
-        name = func.overloadpacket.__name__
+    def _kind(self, name: str, args, kwargs) -> str:
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name == "_local_scalar_dense":
             return "host reads (.item())"
@@ -280,25 +254,21 @@ class OpCensus(TorchDispatchMode):
             return "GEMMs"
         if first is None or first.numel() <= self.small:
             return "small ops (scales)"
-        if name in ("amax", "amin", "aminmax", "max", "linalg_vector_norm", "_foreach_norm"):
+        if name in self.REDUCTIONS:
             return "amax reductions"
         if name == "_to_copy" and kwargs.get("dtype", first.dtype).itemsize == 1:
             return "float8 casts (writes)"
         if first.dtype.itemsize == 1 and name in ("clone", "contiguous", "_to_copy"):
             return "float8 layout copies (transposes)"
-        if name in ("_to_copy", "mul", "mul_", "clamp", "clamp_", "abs", "reciprocal", "div"):
-            return "elementwise passes over operands"
-        return "other"
+        return "elementwise passes over operands" if name in self.PASSES else "other"
 
 
 def profile_recipes(shape: Shape, recipes: list[str], device) -> dict:
-    """One eager forward + backward per recipe: op census and the profiler's top ops."""
+    """One eager forward + backward per recipe: op census and the profiler's top ops;
+    printed as a table of kinds by recipe."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    base = nn.Linear(shape.k, shape.n, bias=False, device=device, dtype=torch.bfloat16)
-    x = torch.randn(shape.m, shape.k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad_output = torch.randn(shape.m, shape.n, device=device, dtype=torch.bfloat16)
+    base, x, grad_output = _inputs(shape, device)
     report = {}
     for recipe in recipes:
         step = _step(_layer(base, recipe, "eager"), x, grad_output)
@@ -313,84 +283,47 @@ def profile_recipes(shape: Shape, recipes: list[str], device) -> dict:
             "ops": dict(census.ops.most_common()),
             "top_self_cpu_ms": {e.key: e.self_cpu_time_total / 1e3 for e in top},
         }
+    print(f"\nop census, one forward + backward of {shape.m}x{shape.k}x{shape.n} (eager)")
+    kinds = sorted({k for r in report.values() for k in r["kinds"]})
+    rows = [[k] + [r["kinds"].get(k, 0) for r in report.values()] for k in kinds]
+    rows.append(["total aten ops"] + [sum(r["ops"].values()) for r in report.values()])
+    print(markdown_table(["kind", *report], rows))
+    for recipe, r in report.items():
+        top_ms = ", ".join(f"{k} {v:.1f}" for k, v in r["top_self_cpu_ms"].items())
+        print(f"{recipe} top self-CPU ms: {top_ms}")
     return report
 
 
-def print_profile(shape: Shape, report: dict) -> None:
-    print(f"\nop census, one forward + backward of {shape.m}x{shape.k}x{shape.n} (eager)")
-    kinds = sorted({k for r in report.values() for k in r["kinds"]})
-    rows = [[k] + [str(r["kinds"].get(k, 0)) for r in report.values()] for k in kinds]
-    rows.append(["total aten ops"] + [str(sum(r["ops"].values())) for r in report.values()])
-    print(markdown_table(["kind", *report], rows))
-    for recipe, r in report.items():
-        top = ", ".join(f"{k} {v:.1f}" for k, v in r["top_self_cpu_ms"].items())
-        print(f"{recipe} top self-CPU ms: {top}")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+def main(argv: list[str] | None = None) -> dict:
+    p = bench_parser(__doc__)
     p.add_argument("--shapes", default=None, help="quick | cpu | llama | llama_ffn | MxKxN,...")
-    p.add_argument("--tokens", type=int, default=None, help="M for the presets")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--compile", action="store_true", help="also run torch.compile'd layers")
     p.add_argument("--compile-only", action="store_true", help="only torch.compile'd layers")
-    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
-    p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations (smoke)")
     p.add_argument("--profile", action="store_true", help="op census + profiler, first shape")
     p.add_argument("--kernels", action="store_true", help="GEMM / other time split per case")
-    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.recipes = parse_choices(p, args.recipes, RECIPES, "recipe(s)")
-    if args.compile_only:
-        args.modes = ["compile"]
-    else:
-        args.modes = ["eager", "compile"] if args.compile else ["eager"]
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args.modes = ["compile"] if args.compile_only else ["eager", "compile"][: 1 + args.compile]
     device = resolve_device(args.device, threads=args.threads)
     cuda = device.type == "cuda"
     preset = args.shapes or ("quick" if args.quick else "llama" if cuda else "cpu")
-    shapes = shapes_for(preset, args.tokens)
-    if args.warmup is None:
-        args.warmup = 1 if args.quick or not cuda else 5
-    if args.iters is None:
-        args.iters = 2 if args.quick else 20 if cuda else 5
+    shapes = shapes_for(preset)
+    args.warmup = args.warmup if args.warmup is not None else 5 if cuda and not args.quick else 1
+    args.iters = args.iters if args.iters is not None else 2 if args.quick else 20 if cuda else 5
     peaks = peak_tflops(device)
-    payload = {
-        "benchmark": "linear",
-        "environment": environment(device),
-        "settings": {
-            "shapes": preset,
-            "modes": args.modes,
-            "recipes": args.recipes,
-            "warmup": args.warmup,
-            "iters": args.iters,
-            "dtype": "bfloat16",
-            "step": "layer(x).backward(grad_output), 6*M*K*N FLOPs",
-        },
-        "peak_tflops": peaks,
-        "results": [],
-    }
-
-    def on_row(row: dict) -> None:
-        payload["results"].append(row)
-        write_json(args.json, payload)
-
+    settings = {"shapes": preset, "modes": args.modes, "recipes": args.recipes}
+    settings |= {"warmup": args.warmup, "iters": args.iters, "dtype": "bfloat16"}
+    settings["step"] = "layer(x).backward(grad_output), 6*M*K*N FLOPs"
+    columns = _columns(peaks, args.kernels)
+    report = Report("linear", device, args.json, columns, settings=settings, peak_tflops=peaks)
     for shape in shapes:
-        bench_shape(shape, args, device, peaks, on_row)
-    print()
-    print(table(payload["results"], peaks))
+        bench_shape(shape, args, device, peaks, report)
+    payload = report.done()
     if args.profile:
-        payload["profile"] = {"shape": vars(shapes[0])}
-        payload["profile"] |= profile_recipes(shapes[0], args.recipes, device)
-        print_profile(shapes[0], {r: payload["profile"][r] for r in args.recipes})
-    write_json(args.json, payload)
+        profile = profile_recipes(shapes[0], args.recipes, device)
+        payload["profile"] = {"shape": shapes[0]._asdict(), **profile}
+        write_json(args.json, payload)
     return payload
 
 
