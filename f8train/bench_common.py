@@ -118,15 +118,13 @@ def environment(device: torch.device) -> dict[str, Any]:
         commit = ""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
-    cuda = device.type == "cuda"
+    cpu_name = platform.processor() or platform.machine()
     return {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
-        if cuda
-        else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "git_commit": commit or None,
