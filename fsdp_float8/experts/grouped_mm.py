@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_float8.core._compat import grouped_mm_available, scaled_grouped_mm_available
-from fsdp_float8.core.float8_ops import scaled_mm_data
+from fsdp_float8.core.gemm import check_gemm_scales, row_and_column_major, scaled_mm_data
 
 
 def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -68,11 +68,17 @@ def grouped_scaled_mm(
     pad_inner_dim: bool = False,
 ) -> torch.Tensor:
     """The grouped float8 GEMM (2-D x 3-D when `b` is 3-D, else 2-D x 2-D); see the module.
-    Lays out `a` row-major and `b` column-major per group, as `scaled_mm_data` does (what
-    the hardware GEMM needs; the emulation then multiplies the same layouts as a linear)."""
-    a = a if a.is_contiguous() else a.contiguous()
-    if not b.transpose(-2, -1).is_contiguous():
-        b = b.transpose(-2, -1).contiguous().transpose(-2, -1)
+    Checks the scale shapes and lays out `a` row-major and `b` column-major per group, as
+    `scaled_mm_data` does (the helpers of `fsdp_float8.core.gemm`: what the hardware GEMM
+    needs; the emulation then multiplies the same layouts as a linear)."""
+    a_want: tuple[int, ...]
+    b_want: tuple[int, ...]
+    if b.dim() == 3:  # a (M, K) per token row; b (E, K, N) per expert and column
+        a_want, b_want = (a.shape[0], 1), (b.shape[0], 1, b.shape[2])
+    else:  # a (R, M) per group and row; b (M, C) per group and column
+        a_want, b_want = (offs.numel(), a.shape[0]), (offs.numel(), b.shape[1])
+    check_gemm_scales("grouped_scaled_mm", a_scale, a_want, b_scale, b_want)
+    a, b = row_and_column_major(a, b)
     if emulate:
         a_hp, b_hp = dequantize_operands(a, a_scale, b, b_scale, offs)
         return grouped_mm_float32(a_hp, b_hp, offs).to(out_dtype)

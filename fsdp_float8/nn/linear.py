@@ -30,8 +30,8 @@ from fsdp_float8.core.config import (
     Operand,
     ScalingType,
 )
-from fsdp_float8.core.float8_ops import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.weight_wrappers import wrap_weight
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, state_dict_weight

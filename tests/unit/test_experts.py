@@ -6,6 +6,8 @@ per-expert GEMM), with empty experts and skewed routing."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -148,6 +150,27 @@ def test_emulated_and_cpu_kernel_agree():
     emu = grouped_scaled_mm(a, a_s, b, b_s, offs, out_dtype=torch.float32, emulate=True)
     real = grouped_scaled_mm(a, a_s, b, b_s, offs, out_dtype=torch.float32, emulate=False)
     assert sqnr_db(emu, real) >= SQNR_DB["real_vs_emulated"]
+
+
+@pytest.mark.parametrize("three_d", [True, False], ids=["2d_x_3d", "2d_x_2d"])
+@pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "cpu_kernel"])
+def test_refuses_scales_not_along_the_contraction_dim(three_d, emulate):
+    """A scale along the wrong dim (one per column of a, per row of b) would broadcast into a
+    wrong product in the emulation: refused by name, as scaled_mm refuses it."""
+    offs = _offs(ROUTINGS["skewed"])
+    m = int(offs[-1])
+    a = torch.randn(m, K).to(E4M3) if three_d else torch.randn(N, m).to(E4M3)
+    b = torch.randn(E, K, N).to(E4M3) if three_d else torch.randn(m, K).to(E4M3)
+    bad_a = torch.rand(1, a.shape[1]) + 1  # per column of a: along the kept dim
+    good_b = torch.rand(E, 1, N) + 1 if three_d else torch.rand(E, K) + 1
+    with pytest.raises(ValueError, match=r"grouped_scaled_mm needs a's scale 0-d or of shape"):
+        grouped_scaled_mm(a, bad_a, b, good_b, offs, out_dtype=torch.float32, emulate=emulate)
+    good_a = torch.rand(m, 1) + 1 if three_d else torch.rand(E, N) + 1
+    bad_b = torch.rand(E, K, 1) + 1 if three_d else torch.rand(m, 1) + 1  # per row of b
+    with pytest.raises(ValueError, match=re.escape(f"{tuple(bad_b.shape)}: each operand")):
+        grouped_scaled_mm(a, good_a, b, bad_b, offs, out_dtype=torch.float32, emulate=emulate)
+    out = grouped_scaled_mm(a, good_a, b, good_b, offs, out_dtype=torch.float32, emulate=emulate)
+    assert out.shape == ((m, N) if three_d else (E, N, K))
 
 
 def test_refuses_delayed_and_static_expert_casts():

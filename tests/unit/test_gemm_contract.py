@@ -21,7 +21,7 @@ from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr_db
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
-from fsdp_float8.core.float8_ops import check_gemm_supported, cuda_gemm_rules_on_cpu
+from fsdp_float8.core.gemm import check_gemm_supported, cuda_gemm_rules_on_cpu
 from fsdp_float8.core.numerics import SQNR_DB
 
 _real_scaled_mm = torch._scaled_mm
