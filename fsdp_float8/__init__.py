@@ -23,13 +23,12 @@ from fsdp_float8.core.config import (
     Float8GemmConfig,
     Float8LinearConfig,
     Float8LinearRecipeName,
-    Gemm,
-    Operand,
     ScalingGranularity,
     ScalingType,
 )
 from fsdp_float8.core.float8_ops import scaled_mm
 from fsdp_float8.core.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.numerics import sqnr_db
 from fsdp_float8.core.recipes import _auto_filter_for_recipe
 from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm

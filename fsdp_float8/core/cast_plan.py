@@ -20,17 +20,9 @@ from typing import Any, Self
 
 import torch
 
-from fsdp_float8.core.config import (
-    GEMM_OPERANDS,
-    GEMMS,
-    PRIMARY_GEMM,
-    SECOND_GEMM,
-    Float8LinearConfig,
-    Gemm,
-    Operand,
-    ScalingGranularity,
-)
+from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import GEMM_OPERANDS, GEMMS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.core.scaling import Axiswise, Granularity, ScalingStrategy, Tensorwise
 
 CASTS: tuple[tuple[Operand, Gemm], ...] = tuple(

@@ -1,10 +1,12 @@
 """Configuration: which operand of which GEMM is cast how, and the named recipes.
 
-A linear layer runs three GEMMs (see `Gemm`) on three operands (see `Operand`). Each
+A linear layer runs three GEMMs on three operands (`fsdp_float8.core.gemms`). Each
 operand is cast once for its primary GEMM and possibly differently for its second use in
 backward (`*_for_grad_*` fields). A `CastConfig` says how one such cast is scaled; this
 module is the one place where those user-facing words become the strategy objects of
-`fsdp_float8.core.scaling` (`Float8LinearConfig.strategy`).
+`fsdp_float8.core.scaling` (`Float8LinearConfig.strategy`). The rules between casts are in
+`config_rules.py`, the block casts' in `config_blocks.py`, field type checks in
+`config_fields.py`, the named recipes in `recipes.py`.
 
 Field names follow the ones torchao users know, so switching is a change of import.
 """
@@ -19,63 +21,15 @@ from dataclasses import KW_ONLY, dataclass, field, replace
 import torch
 
 from fsdp_float8.core import scaling
-from fsdp_float8.core.config_blocks import (
-    check_block_all_gather,
-    check_block_cast,
-    check_linear_blocks,
-)
+from fsdp_float8.core.config_blocks import check_block_cast, check_linear_blocks
 from fsdp_float8.core.config_fields import check_field_types, coerce_enum, filled, mark_filled
+from fsdp_float8.core.config_rules import check_cast_pairs, check_no_e5m2_pair
+from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.core.recipes import Float8LinearRecipeName, recipe_fields
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FLOAT8_DTYPES = (E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-
-
-class Operand(enum.Enum):
-    INPUT = "input"
-    WEIGHT = "weight"
-    GRAD_OUTPUT = "grad_output"
-
-
-class Gemm(enum.Enum):
-    """output = input @ weight.T; grad_input = grad_output @ weight;
-    grad_weight = grad_output.T @ input."""
-
-    OUTPUT = "output"
-    GRAD_INPUT = "grad_input"
-    GRAD_WEIGHT = "grad_weight"
-
-
-# The members as tuples: loop over these, not the Enum classes (dynamo in torch 2.11 cannot
-# iterate an Enum class inside a compiled function).
-OPERANDS: tuple[Operand, ...] = tuple(Operand)
-GEMMS: tuple[Gemm, ...] = tuple(Gemm)
-
-# (left operand, right operand) of each GEMM, in the order they are multiplied.
-GEMM_OPERANDS: dict[Gemm, tuple[Operand, Operand]] = {
-    Gemm.OUTPUT: (Operand.INPUT, Operand.WEIGHT),
-    Gemm.GRAD_INPUT: (Operand.GRAD_OUTPUT, Operand.WEIGHT),
-    Gemm.GRAD_WEIGHT: (Operand.GRAD_OUTPUT, Operand.INPUT),
-}
-# Each operand's two GEMMs, in execution order: its "primary" cast (first use) and its
-# second use in backward. Derived from GEMM_OPERANDS, the one spelling of the topology.
-OPERAND_GEMMS: dict[Operand, tuple[Gemm, Gemm]] = {
-    op: tuple(g for g, ops in GEMM_OPERANDS.items() if op in ops)  # type: ignore[misc]
-    for op in OPERANDS
-}
-PRIMARY_GEMM: dict[Operand, Gemm] = {op: gemms[0] for op, gemms in OPERAND_GEMMS.items()}
-SECOND_GEMM: dict[Operand, Gemm] = {op: gemms[1] for op, gemms in OPERAND_GEMMS.items()}
-# The dim of the operand's 2-D form that the GEMM contracts over: input (M, K),
-# weight (N, K), grad_output (M, N). Axiswise scales reduce over this dim.
-CONTRACTION_DIM: dict[tuple[Gemm, Operand], int] = {
-    (Gemm.OUTPUT, Operand.INPUT): -1,
-    (Gemm.OUTPUT, Operand.WEIGHT): -1,
-    (Gemm.GRAD_INPUT, Operand.GRAD_OUTPUT): -1,
-    (Gemm.GRAD_INPUT, Operand.WEIGHT): 0,
-    (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT): 0,
-    (Gemm.GRAD_WEIGHT, Operand.INPUT): 0,
-}
 
 
 class ScalingType(enum.Enum):
@@ -90,9 +44,6 @@ class ScalingGranularity(enum.Enum):
     AXISWISE = "axiswise"
     # one scale per block of CastConfig.block_shape = (across, along) the contraction dim
     BLOCKWISE = "blockwise"
-
-
-_BLOCKWISE = ScalingGranularity.BLOCKWISE
 
 
 @dataclass(frozen=True)
@@ -253,102 +204,19 @@ class Float8LinearConfig:
                 DeprecationWarning,
                 stacklevel=3,
             )
-        for gemm, (left, right) in GEMM_OPERANDS.items():
-            if self.cast(left, gemm).enabled != self.cast(right, gemm).enabled:
-                raise ValueError(
-                    f"the {gemm.value} GEMM has {left.value} "
-                    f"{self.cast(left, gemm).scaling_type.value} but {right.value} "
-                    f"{self.cast(right, gemm).scaling_type.value}: both operands of a GEMM "
-                    "must be float8 or both high precision; disable or enable both"
-                )
-        for operand in OPERANDS:
-            self._check_second_use(operand)
-        if self.enable_fsdp_float8_all_gather:
-            self._check_fsdp_all_gather()
-        if self.save_input_in_float8:
-            self._check_save_input_in_float8()
-        casts = {name: self.cast(*key) for key, name in _OPERAND_FIELD.items()}
+        casts = {key: self.cast(*key) for key in _OPERAND_FIELD}
+        check_cast_pairs(
+            casts,
+            fsdp_all_gather=self.enable_fsdp_float8_all_gather,
+            save_input_in_float8=self.save_input_in_float8,
+        )
         check_linear_blocks(
-            casts, pad_inner_dim=self.pad_inner_dim, power_of_2=self.round_scales_to_power_of_2
+            {_OPERAND_FIELD[key]: cast for key, cast in casts.items()},
+            pad_inner_dim=self.pad_inner_dim,
+            power_of_2=self.round_scales_to_power_of_2,
         )
         if not self.emulate:
-            self._check_no_e5m2_pair()
-
-    def _check_second_use(self, operand: Operand) -> None:
-        first = self.cast(operand, PRIMARY_GEMM[operand])
-        second = self.cast(operand, SECOND_GEMM[operand])
-        stateful = (ScalingType.DELAYED, ScalingType.STATIC)
-        if (first.scaling_type in stateful or second.scaling_type in stateful) and (
-            second.enabled and first.scaling_type is not second.scaling_type
-        ):
-            raise ValueError(
-                f"{operand.value} is {first.scaling_type.value} for its first GEMM but "
-                f"{second.scaling_type.value} for {SECOND_GEMM[operand].value}; "
-                "delayed and static scaling keep one scale per operand, so both uses must "
-                "share the scaling type (or disable the second use)"
-            )
-
-    def _check_no_e5m2_pair(self) -> None:
-        """CUDA float8 GEMMs (cuBLASLt) refuse e5m2 x e5m2; CPU and emulation take it."""
-        for gemm, (left, right) in GEMM_OPERANDS.items():
-            casts = (self.cast(left, gemm), self.cast(right, gemm))
-            if all(c.enabled and c.target_dtype == E5M2 for c in casts):
-                raise ValueError(
-                    f"the {gemm.value} GEMM multiplies {left.value} and {right.value}, both "
-                    "float8_e5m2: CUDA torch._scaled_mm refuses two e5m2 operands. Make one of "
-                    "them float8_e4m3fn (CastConfig(target_dtype=torch.float8_e4m3fn)), or set "
-                    "emulate=True"
-                )
-
-    def _check_fsdp_all_gather(self) -> None:
-        """The gathered weight serves both weight GEMMs. Tensorwise: one scale for both
-        (same dtype and scaling type). Axiswise (per output row, local to each dim-0 shard):
-        the grad_input weight is re-cast from the gathered rows (any dynamic cast)."""
-        fwd = self.cast(Operand.WEIGHT, Gemm.OUTPUT)
-        bwd = self.cast(Operand.WEIGHT, Gemm.GRAD_INPUT)
-        if not (fwd.enabled and bwd.enabled):
-            raise ValueError(
-                "enable_fsdp_float8_all_gather=True needs a float8 weight in both weight "
-                f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
-                f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
-            )
-        if fwd.scaling_granularity is ScalingGranularity.AXISWISE:
-            return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
-        if fwd.scaling_granularity is ScalingGranularity.BLOCKWISE:
-            check_block_all_gather(fwd, bwd)
-            return
-        same_dtype = self.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT) == self.float8_dtype(
-            Operand.WEIGHT, Gemm.GRAD_INPUT
-        )
-        if not same_dtype or bwd.scaling_type is not fwd.scaling_type:
-            raise ValueError(
-                "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
-                "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "
-                "the same dtype and scaling type as cast_config_weight (or leave it None)"
-            )
-        if bwd.scaling_granularity is not ScalingGranularity.TENSORWISE:
-            raise ValueError(
-                "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
-                "cast_config_weight_for_grad_input tensorwise (or leave it None)"
-            )
-
-    def _check_save_input_in_float8(self) -> None:
-        """Tensorwise: backward reuses the forward's float8 input. Blockwise: forward also
-        casts the input for grad_weight (tiles along the token dim) and saves that."""
-        first = self.cast(Operand.INPUT, Gemm.OUTPUT)
-        second = self.cast(Operand.INPUT, Gemm.GRAD_WEIGHT)
-        same = self.float8_dtype(Operand.INPUT, Gemm.OUTPUT) == self.float8_dtype(
-            Operand.INPUT, Gemm.GRAD_WEIGHT
-        )
-        kinds = {c.scaling_granularity for c in (first, second) if c.enabled}
-        both = first.enabled and second.enabled and len(kinds) == 1
-        if not (same and both and kinds <= {ScalingGranularity.TENSORWISE, _BLOCKWISE}):
-            raise ValueError(
-                "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
-                "input tensorwise (or blockwise) with the same dtype for output and "
-                "grad_weight; use the 'tensorwise', 'blockwise' or 'mxfp8' recipe or set "
-                "save_input_in_float8=False"
-            )
+            check_no_e5m2_pair(casts)
 
     def _resolve(self, operand: Operand) -> None:
         """Fill the operand's second-use config and both target dtypes (values filled by

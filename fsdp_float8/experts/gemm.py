@@ -27,7 +27,8 @@ from typing import Self
 import torch
 
 from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast, weight_for
-from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from fsdp_float8.core.amax_sync import Group
-from fsdp_float8.core.config import OPERANDS, PRIMARY_GEMM, Float8LinearConfig, Operand
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, Operand
 from fsdp_float8.core.scaling import DelayedScaling, tensor_amax
 
 _KINDS = ("amax", "amax_history", "scale", "initialized")

@@ -20,18 +20,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.cast_plan import CastPlan, Pair, weight_for
-from fsdp_float8.core.config import (
+from fsdp_float8.core.config import Float8LinearConfig, ScalingType
+from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
+from fsdp_float8.core.gemms import (
     CONTRACTION_DIM,
     OPERANDS,
     PRIMARY_GEMM,
     SECOND_GEMM,
-    Float8LinearConfig,
     Gemm,
     Operand,
-    ScalingType,
 )
-from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.weight_wrappers import wrap_weight
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, state_dict_weight

@@ -28,8 +28,8 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from fsdp_float8.core._compat import all_gather_single
 from fsdp_float8.core.cast_plan import CastPlan
-from fsdp_float8.core.config import Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import DynamicScaling, cast_to_float8_data
 from fsdp_float8.nn.linear import Float8Linear
 from fsdp_float8.tensor_parallel.styles import check_tp_config

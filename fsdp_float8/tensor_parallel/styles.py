@@ -72,8 +72,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_float8.core.cast_plan import CastPlan, block_cast
-from fsdp_float8.core.config import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import (
     DelayedScaling,
     DynamicScaling,

@@ -70,7 +70,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.cast_plan import CastPlan
-from fsdp_float8.core.config import (
+from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import (
     CONTRACTION_DIM,
     OPERANDS,
     PRIMARY_GEMM,
@@ -78,7 +79,6 @@ from fsdp_float8.core.config import (
     Gemm,
     Operand,
 )
-from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.numerics import out_of_range_fraction, underflow_fraction
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.fsdp.weight_wrappers.base import plain_weight

@@ -37,7 +37,7 @@ from fsdp_float8 import (
     PrepareFloat8ModuleInput,
     convert_to_float8_training,
 )
-from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.core.gemms import Gemm, Operand
 from tests.models import Transformer, model_args
 
 

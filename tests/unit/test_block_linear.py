@@ -20,7 +20,7 @@ from fsdp_float8 import (
     sqnr_db,
 )
 from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, dequantize_blocks
-from fsdp_float8.core.config import OPERAND_GEMMS
+from fsdp_float8.core.gemms import OPERAND_GEMMS
 from fsdp_float8.core.numerics import SQNR_DB
 from fsdp_float8.core.payload import E8M0
 from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale

@@ -4,7 +4,7 @@
 - FSDP2's all-gather hooks are defined only under weight_wrappers/;
 - ScalingType words (if/elif, dict keys, any `ScalingType.X`) live only in config.py (the
   words -> strategies and words -> weight wrappers maps);
-- the operand/GEMM topology (`Operand.X: Gemm.Y` tables) is spelled only in config.py;
+- the operand/GEMM topology (`Operand.X: Gemm.Y` tables) is spelled only in gemms.py;
 - delayed-scaling state (its buffers and host flags) lives only in delayed_state.py;
 - the post-optimizer refresh (precomputed weight scales, delayed syncs) only in fsdp.py;
 - no module imports numpy (a scripts-only dependency);
@@ -85,8 +85,9 @@ def test_scaling_type_words_only_in_config():
     assert _homes(r"ScalingType\.[A-Z]") <= {"core/config.py"}
 
 
-def test_operand_gemm_topology_only_in_config():
-    assert _homes(r"Operand\.\w+\s*:\s*\(?Gemm\.") <= {"core/config.py"}
+def test_operand_gemm_topology_only_in_gemms():
+    assert _homes(r"Operand\.\w+\s*:\s*\(?Gemm\.") <= {"core/gemms.py"}
+    assert _homes(r"Gemm\.\w+\s*:\s*\(Operand\.") == {"core/gemms.py"}  # GEMM_OPERANDS
     assert _homes(r"g is not first|\bsecond_gemm\(") == set()
 
 

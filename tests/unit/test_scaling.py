@@ -8,8 +8,9 @@ import torch
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, hp_to_float8, scaled_mm, sqnr_db
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
-from fsdp_float8.core.config import E4M3, E5M2, Gemm, Operand
+from fsdp_float8.core.config import E4M3, E5M2
 from fsdp_float8.core.gemm import row_scaled_mm_around_unit_gemm
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.numerics import SQNR_DB, saturation_fraction, underflow_fraction
 from fsdp_float8.core.scaling import (
     EPS,

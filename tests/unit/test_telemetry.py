@@ -23,7 +23,8 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.core.config import CONTRACTION_DIM, E4M3, Gemm, Operand
+from fsdp_float8.core.config import E4M3
+from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.numerics import float8_rounding_max, out_of_range_fraction, underflow_fraction
 from fsdp_float8.core.scaling import amax_to_scale
 from fsdp_float8.tools import telemetry as telemetry_mod

@@ -13,7 +13,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import (
     Blockwise,
     DelayedScaling,

@@ -36,8 +36,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
-from fsdp_float8.core.config import Float8LinearConfig, Gemm, Operand, ScalingGranularity
+from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import cast_to_float8_data
 from fsdp_float8.fsdp.weight_wrappers.gather import RowwiseGather, TensorwiseGather
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_float8.core.config import Gemm, Operand
+from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import static_scale_tensor
 from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
 

@@ -1,0 +1,117 @@
+"""The rules between a Float8LinearConfig's casts, checked by `fsdp_float8.core.config` at
+construction, each raising ValueError naming the values and the remedy:
+
+- both operands of a GEMM are float8, or both high precision;
+- delayed and static scaling keep one scale per operand, so its two uses share the type;
+- a float8 all-gathered weight serves both weight GEMMs (one cast, or a re-cast of rows);
+- a float8 input saved for grad_weight is cast alike for output and grad_weight;
+- CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated).
+
+Works on the resolved casts (`(Operand, Gemm)` -> CastConfig, target dtypes filled in) and
+on the words' string values, as `config_blocks` does, so it imports nothing from config.py,
+which imports it; the topology comes from `fsdp_float8.core.gemms`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fsdp_float8.core.config_blocks import check_block_all_gather
+from fsdp_float8.core.gemms import GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
+
+Casts = dict[tuple[Operand, Gemm], Any]  # the CastConfig of each (operand, GEMM)
+
+
+def check_cast_pairs(casts: Casts, *, fsdp_all_gather: bool, save_input_in_float8: bool) -> None:
+    """The rules over pairs of casts: a GEMM's two operands, an operand's two uses, and
+    what the float8 all-gather and the saved float8 input share."""
+    for gemm, (left, right) in GEMM_OPERANDS.items():
+        a, b = casts[(left, gemm)], casts[(right, gemm)]
+        if a.enabled != b.enabled:
+            raise ValueError(
+                f"the {gemm.value} GEMM has {left.value} {a.scaling_type.value} but "
+                f"{right.value} {b.scaling_type.value}: both operands of a GEMM "
+                "must be float8 or both high precision; disable or enable both"
+            )
+    for operand in OPERANDS:
+        _check_second_use(casts, operand)
+    if fsdp_all_gather:
+        _check_fsdp_all_gather(
+            casts[(Operand.WEIGHT, Gemm.OUTPUT)], casts[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+        )
+    if save_input_in_float8:
+        _check_save_input_in_float8(
+            casts[(Operand.INPUT, Gemm.OUTPUT)], casts[(Operand.INPUT, Gemm.GRAD_WEIGHT)]
+        )
+
+
+def _check_second_use(casts: Casts, operand: Operand) -> None:
+    first = casts[(operand, PRIMARY_GEMM[operand])]
+    second = casts[(operand, SECOND_GEMM[operand])]
+    kinds = (first.scaling_type.value, second.scaling_type.value)
+    stateful = any(k in ("delayed", "static") for k in kinds)
+    if stateful and second.enabled and kinds[0] != kinds[1]:
+        raise ValueError(
+            f"{operand.value} is {kinds[0]} for its first GEMM but {kinds[1]} for "
+            f"{SECOND_GEMM[operand].value}; delayed and static scaling keep one scale per "
+            "operand, so both uses must share the scaling type (or disable the second use)"
+        )
+
+
+def _check_fsdp_all_gather(fwd, bwd) -> None:
+    """The gathered weight serves both weight GEMMs. Tensorwise: one scale for both
+    (same dtype and scaling type). Axiswise (per output row, local to each dim-0 shard):
+    the grad_input weight is re-cast from the gathered rows (any dynamic cast)."""
+    if not (fwd.enabled and bwd.enabled):
+        raise ValueError(
+            "enable_fsdp_float8_all_gather=True needs a float8 weight in both weight "
+            f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
+            f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
+        )
+    granularity = fwd.scaling_granularity.value
+    if granularity == "axiswise":
+        return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
+    if granularity == "blockwise":
+        check_block_all_gather(fwd, bwd)
+        return
+    if fwd.target_dtype != bwd.target_dtype or bwd.scaling_type != fwd.scaling_type:
+        raise ValueError(
+            "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
+            "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "
+            "the same dtype and scaling type as cast_config_weight (or leave it None)"
+        )
+    if bwd.scaling_granularity.value != "tensorwise":
+        raise ValueError(
+            "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
+            "cast_config_weight_for_grad_input tensorwise (or leave it None)"
+        )
+
+
+def _check_save_input_in_float8(first, second) -> None:
+    """Tensorwise: backward reuses the forward's float8 input. Blockwise: forward also
+    casts the input for grad_weight (tiles along the token dim) and saves that."""
+    kinds = {c.scaling_granularity.value for c in (first, second) if c.enabled}
+    both = first.enabled and second.enabled and len(kinds) == 1
+    same = first.target_dtype == second.target_dtype
+    if not (same and both and kinds <= {"tensorwise", "blockwise"}):
+        raise ValueError(
+            "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
+            "input tensorwise (or blockwise) with the same dtype for output and "
+            "grad_weight; use the 'tensorwise', 'blockwise' or 'mxfp8' recipe or set "
+            "save_input_in_float8=False"
+        )
+
+
+def check_no_e5m2_pair(casts: Casts) -> None:
+    """CUDA float8 GEMMs (cuBLASLt) refuse e5m2 x e5m2; CPU and emulation take it."""
+    for gemm, (left, right) in GEMM_OPERANDS.items():
+        pair = (casts[(left, gemm)], casts[(right, gemm)])
+        if all(c.enabled and c.target_dtype == torch.float8_e5m2 for c in pair):
+            raise ValueError(
+                f"the {gemm.value} GEMM multiplies {left.value} and {right.value}, both "
+                "float8_e5m2: CUDA torch._scaled_mm refuses two e5m2 operands. Make one of "
+                "them float8_e4m3fn (CastConfig(target_dtype=torch.float8_e4m3fn)), or set "
+                "emulate=True"
+            )
