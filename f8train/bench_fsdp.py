@@ -5,36 +5,27 @@ Run (from the repository root):
     torchrun --standalone --nproc_per_node 2 -m f8train.bench_fsdp --quick --json /tmp/f.json
     torchrun --standalone --nproc_per_node 1 -m f8train.bench_fsdp --device cuda --json out/fsdp.json
 
-Every config trains the same model (same seed and per-rank batches, `fully_shard` per block
-then the root, bf16 parameters, fp32 gradient reduction) and differs only in its float8
-setup: `bf16`; `float8_bf16_ag` (tensorwise GEMMs, bf16 all-gather); `float8_ag` (float8
-all-gather, the float8 step off: each weight's scale all-reduced in its pre-all-gather);
-`float8_ag_precompute` (the float8 step on: one scale collective per step, the loop calls no
-float8 function), also with inputs saved in float8 (`_fp8_saved`) and emulated (`_emulate`);
-`delayed` (delayed scaling, float8 all-gather); `torchao_float8_ag_precompute` (torchao's
-float8 all-gather and precompute, when torchao imports; emulated on the CPU, so compare its
-bytes and collectives there, not its time).
-
-Table columns: the slowest rank's median step; all-gather and reduce-scatter MiB per step;
-`conv AG ratio`, the converted weights' all-gather bytes over their bf16 bytes (the other
-parameters' bytes, known from their shapes, are subtracted: bf16 reads 1.000); collectives
-per step by kind (`CollectiveCounter`); the scale all-reduces the backend ran before the first
-forward, in the first step and in a steady step (profiler events, which also see DTensor's own
-collectives); the probed step's peak memory above what was live before it; host reads
-(`.item()` and the like: each a sync on a GPU); the final loss. Counts come from one extra
-probed step outside the timed ones. Each config runs on its own process group, so one that
-fails is reported in the table and the next one still runs.
+Every config trains the same model (seed, per-rank batches, `fully_shard` per block then the
+root, bf16 parameters, fp32 reduction) and differs only in its float8 setup (`CONFIGS`).
+Columns: the slowest rank's median step; all-gather and reduce-scatter MiB per step; `conv
+AG ratio`, the converted weights' all-gather bytes over their bf16 bytes (the other
+parameters' bytes, known from their shapes, subtracted: bf16 reads 1.000); collectives per
+step (`CollectiveCounter`); the scale all-reduces the backend ran before the first forward,
+in the first step and in a steady step (profiler events: these also see DTensor's own); the
+probed step's peak memory; host reads (`.item()`: a sync each on a GPU); the final loss.
+Counts come from one probed step after the timed ones. Each config has its own process
+group, so one that fails is a row with its error and the next one still runs.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime
 import math
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,166 +35,120 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8train.bench_common import (
     HostReads,
+    Report,
     StepProbe,
-    environment,
+    bench_parser,
     fmt,
-    markdown_table,
     parse_choices,
     resolve_device,
     short_error,
     synchronize,
-    write_json,
+    torchao_error,
 )
 from f8train.float8_flags import float8_filter
 from f8train.model import Transformer, model_args
 from f8train.rank_exit import enable_crash_traces, exit_rank
-from fsdp_float8 import (
-    CastConfig,
-    Float8LinearConfig,
-    convert_to_float8_training,
-    float8_step,
-)
+from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training, float8_step
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 
-CONFIGS = (
-    "bf16",
-    "float8_bf16_ag",
-    "float8_ag",
-    "float8_ag_precompute",
-    "float8_ag_precompute_fp8_saved",  # + linear inputs saved for backward in float8
-    "float8_ag_precompute_emulate",  # the same work as torchao's emulated CPU run
-    "delayed",
-    "torchao_float8_ag_precompute",
-)
-PRESETS = {  # model and batch per preset: dim, n_layers, n_heads, n_kv_heads, seq, batch
+AG = {"enable_fsdp_float8_all_gather": True}
+OPERANDS = ("input", "weight", "grad_output")
+DELAYED = {f"cast_config_{op}": CastConfig(scaling_type="delayed") for op in OPERANDS}
+# name -> (library, tensorwise config changes, the float8 step on); None: no float8
+CONFIGS: dict[str, tuple[str, dict, bool] | None] = {
+    "bf16": None,
+    "float8_bf16_ag": ("ours", {}, True),  # float8 GEMMs, bf16 all-gather
+    "float8_ag": ("ours", AG, False),  # each weight all-reduces its scale at its all-gather
+    "float8_ag_precompute": ("ours", AG, True),  # one scale collective per step
+    "float8_ag_precompute_fp8_saved": ("ours", AG | {"save_input_in_float8": True}, True),
+    "float8_ag_precompute_emulate": ("ours", AG | {"emulate": True}, True),  # torchao's CPU work
+    "delayed": ("ours", AG | DELAYED, True),
+    "torchao_float8_ag_precompute": ("torchao", AG, True),  # emulated on the CPU
+}
+PRESETS = {  # model and batch per preset
     "quick": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, seq=32, batch=2),
     "cpu": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, seq=128, batch=4),
     "cuda": dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=4, seq=2048, batch=4),
 }
-
-
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-OPERANDS = ("input", "weight", "grad_output")
 FLOAT8_FILTER = float8_filter([])  # the trainer's: block linears with dims divisible by 16
-
-
-@dataclass
-class Run:
-    """One config's model, optimizer and its float8 pass."""
-
-    name: str
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    after_step: object  # callable(model) or None
-    precompute_first: bool
-
-
-def _float8_config(name: str) -> Float8LinearConfig:
-    if name == "float8_bf16_ag":
-        return Float8LinearConfig.from_recipe_name("tensorwise")
-    if name == "delayed":
-        delayed = {f"cast_config_{op}": CastConfig(scaling_type="delayed") for op in OPERANDS}
-        return Float8LinearConfig(**delayed, enable_fsdp_float8_all_gather=True)
-    return Float8LinearConfig.from_recipe_name(
-        "tensorwise",
-        enable_fsdp_float8_all_gather=True,
-        save_input_in_float8=name.endswith("_fp8_saved"),
-        emulate=name.endswith("_emulate"),
-    )
-
-
-def _convert(name: str, model: nn.Module, device: torch.device):
-    """Convert in place; returns (after_step pass or None, precompute before first forward)."""
-    if name == "bf16":
-        return None, False
-    if name.startswith("torchao"):
-        import torchao.float8 as ao
-
-        # On the CPU torchao's torch._scaled_mm call (0-d scales) takes a oneDNN path about
-        # 100x slower than ours; its emulation (dequantize + matmul) keeps the same casts,
-        # all-gathers and scale all-reduces at a usable speed.
-        config = ao.Float8LinearConfig(
-            enable_fsdp_float8_all_gather=True, emulate=device.type == "cpu"
-        )
-        ao.convert_to_float8_training(model, config=config, module_filter_fn=FLOAT8_FILTER)
-        return ao.precompute_float8_dynamic_scale_for_fsdp, True
-    convert_to_float8_training(model, config=_float8_config(name), module_filter_fn=FLOAT8_FILTER)
-    if name == "float8_ag":  # the per-weight fallback, for comparison
-        float8_step(model).disable()
-    return None, False
-
-
-def all_gather_plan(model: nn.Module, world: int) -> dict:
-    """Per-step all-gather elements of the converted weights and bytes of everything else,
-    from the parameter shapes: FSDP2 shards dim 0 padded to ceil(rows / world); a block is
-    gathered twice a step (forward, and again for backward after resharding), the root
-    once. Call before `fully_shard`."""
-    converted = {
-        f"{fqn}.weight"
-        for fqn, m in model.named_modules()
-        if isinstance(m, nn.Linear) and FLOAT8_FILTER(m, fqn)
-    }
-    conv_elems, rest_bytes = 0, 0
-    for name, p in model.named_parameters():
-        padded = math.ceil(p.shape[0] / world) * math.prod(p.shape[1:])
-        gathers = 2 if name.startswith("blocks.") else 1
-        if name in converted:
-            conv_elems += gathers * padded
-        else:
-            rest_bytes += gathers * padded * 2  # bf16 parameters
-    return {"converted_elems": conv_elems, "other_bytes": rest_bytes}
-
-
 _INITIAL_STATE: dict = {}
 
 
-def initial_state(margs) -> dict[str, torch.Tensor]:
-    """Parameters and buffers of `Transformer(margs).init_weights(0)`, on the CPU, computed
-    once per process: every config starts from them without paying the CPU init again."""
-    if margs not in _INITIAL_STATE:
+def convert(model, lib: str, recipe: str, module_filter_fn=FLOAT8_FILTER, **changes):
+    """Convert in place with `lib` ("ours" or "torchao"), a named recipe and config changes;
+    returns torchao's precompute pass when it gathers in float8 (it needs one), else None."""
+    if lib == "ours":
+        config = Float8LinearConfig.from_recipe_name(recipe, **changes)
+        convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
+        return None
+    import torchao.float8 as ao
+
+    config = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), **changes)
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
+    gathers = config.enable_fsdp_float8_all_gather
+    return ao.precompute_float8_dynamic_scale_for_fsdp if gathers else None
+
+
+@dataclasses.dataclass
+class Run:
+    """A config's sharded model, optimizer and its after-step pass (torchao's precompute)."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    after_step: Callable | None
+    plan: dict
+
+
+def build(preset: dict, mesh: DeviceMesh, device, lib=None, recipe="tensorwise", **changes) -> Run:
+    """The model of `preset` with `init_weights(0)`'s values, converted by `lib` (None:
+    bf16), every block and then the root `fully_shard`ed (bf16 parameters, fp32 reduce)."""
+    shape = {k: preset[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads")}
+    margs = model_args("tiny", **shape, multiple_of=16, max_seq_len=preset["seq"])
+    if margs not in _INITIAL_STATE:  # drawn once per process, on the CPU
         ref = Transformer(margs)
         ref.init_weights(0)
         _INITIAL_STATE[margs] = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
-    return _INITIAL_STATE[margs]
-
-
-def _tensor(model: nn.Module, key: str) -> torch.Tensor:
-    module_name, _, attr = key.rpartition(".")
-    return getattr(model.get_submodule(module_name), attr)
-
-
-def build(name: str, args, mesh: DeviceMesh, device: torch.device) -> tuple[Run, dict]:
-    margs = model_args(
-        "tiny",
-        dim=args.dim,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-        multiple_of=16,
-        max_seq_len=args.seq,
-    )
     with torch.device("meta"):
         model = Transformer(margs)
     model.to_empty(device=device)
-    with torch.no_grad():  # the same values as init_weights(0), drawn once per process
-        for key, value in initial_state(margs).items():
-            _tensor(model, key).copy_(value)
-    after_step, precompute_first = _convert(name, model, device)
+    with torch.no_grad():
+        for key, value in _INITIAL_STATE[margs].items():
+            module_name, _, attr = key.rpartition(".")
+            getattr(model.get_submodule(module_name), attr).copy_(value)
+    after_step = convert(model, lib, recipe, **changes) if lib else None
     plan = all_gather_plan(model, mesh.size())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    return Run(name, model, opt, after_step, precompute_first), plan
+    return Run(model, opt, after_step, plan)
 
 
-def batch(args, step: int, rank: int, device: torch.device) -> torch.Tensor:
+def all_gather_plan(model: nn.Module, world: int) -> dict:
+    """All-gather elements of the converted weights per step and bytes of the rest, from the
+    shapes: FSDP2 shards dim 0 padded to ceil(rows / world); a block is gathered twice a
+    step (forward, and backward after resharding), the root once."""
+    converted = {
+        f"{fqn}.weight"
+        for fqn, m in model.named_modules()
+        if isinstance(m, nn.Linear) and FLOAT8_FILTER(m, fqn)
+    }
+    conv_elems = rest_bytes = 0
+    for name, p in model.named_parameters():
+        elems = (2 if name.startswith("blocks.") else 1) * math.ceil(p.shape[0] / world)
+        elems *= math.prod(p.shape[1:])
+        conv_elems += elems if name in converted else 0
+        rest_bytes += 0 if name in converted else 2 * elems  # bf16 parameters
+    return {"converted_elems": conv_elems, "other_bytes": rest_bytes}
+
+
+def train_step(run: Run, preset: dict, step: int, rank: int, device) -> torch.Tensor:
+    """One step on this rank's batch of `step` (the same in every config); the loss."""
     g = torch.Generator().manual_seed(1000 + 97 * step + rank)
-    return torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
-
-
-def train_step(run: Run, tokens: torch.Tensor) -> torch.Tensor:
+    shape = (preset["batch"], preset["seq"] + 1)
+    tokens = torch.randint(0, 256, shape, generator=g).to(device)
     logits = run.model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
@@ -217,38 +162,34 @@ def train_step(run: Run, tokens: torch.Tensor) -> torch.Tensor:
 def _counts(counter: CollectiveCounter, probe: StepProbe) -> dict:
     out = {f"{k}_count": counter.count(k) for k in KINDS}
     out |= {f"{k}_bytes": counter.bytes(k) for k in KINDS}
-    out["summary"] = counter.summary()
-    out["backend_counts"] = probe.backend_counts
-    # The scale all-reduces as the backend ran them. gloo runs each reduce-scatter as an
-    # all-reduce (it has no reduce-scatter events), so those are taken out.
+    out |= {"summary": counter.summary(), "backend_counts": probe.backend_counts}
+    # the scale all-reduces as the backend ran them; gloo runs a reduce-scatter as an
+    # all-reduce (it has no reduce-scatter events), so those are taken out
     scale = probe.backend_counts.get("all_reduce", 0)
     if "reduce_scatter" not in probe.backend_counts:
         scale -= out["reduce_scatter_count"]
-    out["scale_all_reduces"] = scale
-    return out
+    return out | {"scale_all_reduces": scale}
 
 
-def measure(run: Run, args, rank: int, device: torch.device) -> dict:
+def measure(run: Run, args, rank: int, device) -> dict:
     """Init pass, first step, warmup, timed steps, one probed step; this rank's figures."""
     with StepProbe(device) as init_probe, CollectiveCounter() as init:
-        if run.precompute_first:
+        if run.after_step is not None:  # torchao's precompute before the first forward
             run.after_step(run.model)
-    losses, times = [], []
     with StepProbe(device) as first_probe, CollectiveCounter() as first:
-        losses.append(train_step(run, batch(args, 0, rank, device)).item())
+        losses = [train_step(run, args.preset, 0, rank, device).item()]
+    times = []
     for step in range(1, 1 + args.warmup + args.steps):
         dist.barrier()  # start together: the time is the step's, not a straggler's
         synchronize(device)
         t0 = time.perf_counter()
-        loss = train_step(run, batch(args, step, rank, device))
+        loss = train_step(run, args.preset, step, rank, device)
         synchronize(device)
         if step > args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
-    step = 1 + args.warmup + args.steps
     with StepProbe(device) as probe, CollectiveCounter() as steady, HostReads() as reads:
-        loss = train_step(run, batch(args, step, rank, device))
-    losses.append(loss.item())
+        loss = train_step(run, args.preset, 1 + args.warmup + args.steps, rank, device)
     return {
         "step_ms": times,
         "step_ms_median": statistics.median(times),
@@ -258,18 +199,23 @@ def measure(run: Run, args, rank: int, device: torch.device) -> dict:
         "host_reads_per_step": reads.count,
         "device_syncs_per_step": reads.device_count,
         "peak_mem_mib": probe.peak_mib,
-        "losses": losses,
+        "losses": [*losses, loss.item()],
     }
 
 
-def run_config(name: str, args, rank: int, world: int, device: torch.device) -> dict:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=args.timeout)
-    group = dist.new_group(backend=backend, timeout=timeout)  # a failure poisons only it
-    mesh = DeviceMesh.from_group(group, device.type)
+def run_config(name: str, args, rank: int, device) -> dict:
+    group = dist.new_group(  # a failure poisons only this config's group
+        backend="nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=120),
+    )
     try:
-        run, plan = build(name, args, mesh, device)
-        result = {"config": name, "error": None, **measure(run, args, rank, device), **plan}
+        lib, changes, step_on = CONFIGS[name] or (None, {}, True)
+        if lib == "torchao":
+            changes = changes | {"emulate": device.type == "cpu"}
+        run = build(args.preset, DeviceMesh.from_group(group, device.type), device, lib, **changes)
+        if not step_on:  # the per-weight fallback, for comparison
+            float8_step(run.model).disable()
+        result = {"config": name, "error": None, **measure(run, args, rank, device), **run.plan}
     except Exception as exc:  # reported in the table; the next config still runs
         result = {"config": name, "error": short_error(exc)}
     if device.type == "cuda":
@@ -297,99 +243,65 @@ def combine(per_rank: list[dict], tokens_per_step: int) -> dict:
     return out
 
 
-def table(results: list[dict]) -> str:
-    headers = ["config", "step ms", "AG MiB/step", "conv AG ratio", "RS MiB/step"]
-    headers += ["AG/RS/AR per step", "scale ARs: init/first/step", "peak MiB", "host reads"]
-    headers += ["final loss", "error"]
-    rows = []
-    for r in results:
-        if "per_step" not in r:
-            rows.append([r["config"]] + ["-"] * (len(headers) - 2) + [r["error"] or ""])
-            continue
-        s = r["per_step"]
-        kinds = "/".join(str(s[f"{k}_count"]) for k in KINDS)
-        scale_ars = "/".join(
-            str(r[k]["scale_all_reduces"]) for k in ("init", "first_step", "per_step")
-        )
-        mib = [fmt(s[f"{k}_bytes"] / 2**20, ".3f") for k in ("all_gather", "reduce_scatter")]
-        ratio = fmt(r.get("converted_ag_ratio_vs_bf16_bytes"), ".3f")
-        rows.append([r["config"], fmt(r["step_ms_median"], ".1f"), mib[0], ratio, mib[1], kinds])
-        rows[-1] += [scale_ars, fmt(r["peak_mem_mib"], ".1f"), str(r["host_reads_per_step"])]
-        rows[-1] += [fmt(r["final_loss"], ".4f"), r["error"] or ""]
-    return markdown_table(headers, rows)
+HEADERS = ["config", "step ms", "AG MiB/step", "conv AG ratio", "RS MiB/step"]
+HEADERS += ["AG/RS/AR per step", "scale ARs: init/first/step", "peak MiB", "host reads"]
+HEADERS += ["final loss", "error"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+def cells(r: dict) -> list[str]:
+    if "per_step" not in r:  # a failed config: its error only
+        return [r["config"], *["-"] * (len(HEADERS) - 2), r["error"]]
+    s, phases = r["per_step"], ("init", "first_step", "per_step")
+    line = [r["config"], fmt(r["step_ms_median"], ".1f"), fmt(s["all_gather_bytes"] / 2**20, ".3f")]
+    line += [fmt(r.get("converted_ag_ratio_vs_bf16_bytes"), ".3f")]
+    line += [fmt(s["reduce_scatter_bytes"] / 2**20, ".3f")]
+    line += ["/".join(str(s[f"{k}_count"]) for k in KINDS)]
+    line += ["/".join(str(r[p]["scale_all_reduces"]) for p in phases)]
+    line += [fmt(r["peak_mem_mib"], ".1f"), str(r["host_reads_per_step"])]
+    return line + [fmt(r["final_loss"], ".4f"), r["error"] or ""]
+
+
+COLUMNS = [(h, lambda r, i=i: cells(r)[i]) for i, h in enumerate(HEADERS)]
+
+
+def parse_args(argv: list[str] | None = None):
+    p = bench_parser(__doc__, timing=False)
+    p.set_defaults(device="cpu")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs")
-    p.add_argument("--preset", default=None, help="quick | cpu | cuda (default: per device)")
-    for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "seq", "batch"):
-        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps after the first")
-    p.add_argument("--steps", type=int, default=None, help="timed steps")
-    p.add_argument("--timeout", type=float, default=120, help="seconds before a collective fails")
-    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke)")
-    p.add_argument("--json", default=None, help="write the results here (rank 0)")
     args = p.parse_args(argv)
     args.configs = parse_choices(p, args.configs, CONFIGS, "config(s)")
-    preset = args.preset or ("quick" if args.quick else args.device.split(":")[0])
-    for key, value in PRESETS[preset].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.preset = preset
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    args.steps = args.steps if args.steps is not None else (2 if args.quick else 5)
+    args.preset = PRESETS["quick" if args.quick else args.device.split(":")[0]]
+    args.warmup, args.steps = (1, 2) if args.quick else (2, 5)  # untimed, timed steps
     return args
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    cuda = device.type == "cuda"
-    if cuda:
+    if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ao_error = None
-    if "torchao_float8_ag_precompute" in args.configs:
-        try:
-            import torchao.float8  # noqa: F401
-        except Exception as exc:
-            ao_error = short_error(exc)
-    results = []
+    ao_error = torchao_error() if "torchao_float8_ag_precompute" in args.configs else None
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    report = Report(
+        "fsdp", device, args.json if rank == 0 else None, COLUMNS, settings=settings,
+        torchao_error=ao_error, torchao_emulate=device.type == "cpu",
+    )  # fmt: skip
+    report.payload["environment"]["world_size"] = world
     for name in args.configs:
         if name.startswith("torchao") and ao_error:
-            results.append({"config": name, "error": f"skipped, torchao unavailable: {ao_error}"})
-            continue
-        mine = run_config(name, args, rank, world, device)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, mine)
-        results.append(combine(gathered, args.batch * args.seq * world))
+            result = {"config": name, "error": f"skipped, torchao unavailable: {ao_error}"}
+        else:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, run_config(name, args, rank, device))
+            result = combine(gathered, args.preset["batch"] * args.preset["seq"] * world)
         if rank == 0:
-            r = results[-1]
-            print(f"{name}: step {fmt(r.get('step_ms_median'), '.1f')} ms {r['error'] or ''}")
-            write_json(args.json, _payload(args, device, world, ao_error, results))
-    payload = None
-    if rank == 0:
-        payload = _payload(args, device, world, ao_error, results)
-        print()
-        print(table(results))
-        write_json(args.json, payload)
+            report.add(result)
+    payload = report.done() if rank == 0 else None
     dist.destroy_process_group()
     return payload
-
-
-def _payload(args, device, world: int, ao_error: str | None, results: list[dict]) -> dict:
-    return {
-        "benchmark": "fsdp",
-        "environment": environment(device) | {"world_size": world},
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
-        "torchao_error": ao_error,
-        "torchao_emulate": device.type == "cpu",
-        "results": results,
-    }
 
 
 if __name__ == "__main__":  # process-wide: crash traces on, no finalization at exit

@@ -7,11 +7,10 @@ configuration; flags it does not know are passed on to every training run):
     python -m f8train.compare --nproc 2 --steps 100 --configs bf16,tensorwise,delayed
     python -m f8train.compare --nproc 8 --device cuda --preset small --steps 2000
 
-Each configuration trains into ``OUT/NAME/`` (a finished run with the same flags is reused;
-``--rerun`` trains again; an earlier run in the way is renamed ``NAME.previous``, never
-deleted, since it may hold checkpoints). Writes ``OUT/compare.md`` (final train and validation loss, the
-validation gap to bf16, tokens/s, all-gather bytes per step, peak memory) and
-``OUT/loss_curves.png`` (needs matplotlib: ``pip install -e '.[plot]'``).
+Each configuration trains into ``OUT/NAME/``: a finished run of the same command is reused
+(``--rerun`` trains again); an earlier run in the way is renamed ``NAME.previous``, never
+deleted. Writes ``OUT/compare.md`` (train and validation loss, the validation gap to bf16,
+tokens/s, all-gather bytes per step, peak memory) and ``OUT/loss_curves.png`` (matplotlib).
 """
 
 from __future__ import annotations
@@ -22,7 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from f8train.bench_common import parse_choices
 from f8train.checkpoint import aside_name
+from f8train.plot_numerics import pyplot
 from f8train.train_log import fmt_bytes, read_metrics
 
 CONFIGS: dict[str, list[str]] = {
@@ -35,6 +36,10 @@ CONFIGS: dict[str, list[str]] = {
     "mxfp8": ["--recipe", "mxfp8", "--fp8-all-gather"],
 }
 BASELINE = "bf16"
+# float8-only flags of f8train.train (a --recipe off run refuses them as ignored)
+_FLOAT8_VALUE_FLAGS = ("--scaling", "--static-scales", "--delayed-history", "--float8-skip")
+_FLOAT8_VALUE_FLAGS += ("--numerics-every",)
+_FLOAT8_BARE_FLAGS = ("--fp8-all-gather", "--no-fp8-all-gather", "--emulate", "--no-precompute")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -45,40 +50,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rerun", action="store_true", help="train again even if finished")
     args, train_args = parser.parse_known_args(argv)
-    names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or not names:
-        parser.error(
-            f"--configs {args.configs!r}: unknown {unknown}; expected from {list(CONFIGS)}"
-        )
-    args.names = names
+    args.names = parse_choices(parser, args.configs, CONFIGS, "--configs")
     return args, train_args
 
 
 def train_command(name: str, args: argparse.Namespace, train_args: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(args.nproc),
-        "-m",
-        "f8train.train",
-        *CONFIGS[name],
-        "--steps",
-        str(args.steps),
-        "--out",
-        str(Path(args.out) / name),
-        "--log-every",
-        str(max(1, args.steps // 10)),
-        *(_without_float8_flags(train_args) if "off" in CONFIGS[name] else train_args),
-    ]
-
-
-# float8-only flags of f8train.train (a --recipe off run refuses them as ignored)
-_FLOAT8_VALUE_FLAGS = ("--scaling", "--static-scales", "--delayed-history", "--float8-skip")
-_FLOAT8_BARE_FLAGS = ("--fp8-all-gather", "--no-fp8-all-gather", "--emulate", "--no-precompute")
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc)]
+    run = ["--steps", str(args.steps), "--out", str(Path(args.out) / name)]
+    run += ["--log-every", str(max(1, args.steps // 10))]
+    if "off" in CONFIGS[name]:
+        train_args = _without_float8_flags(train_args)
+    return [sys.executable, *launch, "-m", "f8train.train", *CONFIGS[name], *run, *train_args]
 
 
 def _without_float8_flags(train_args: list[str]) -> list[str]:
@@ -88,7 +70,7 @@ def _without_float8_flags(train_args: list[str]) -> list[str]:
         name = arg.partition("=")[0]
         if skip_next:
             skip_next = False
-        elif name in _FLOAT8_VALUE_FLAGS + ("--numerics-every",):
+        elif name in _FLOAT8_VALUE_FLAGS:
             skip_next = "=" not in arg
         elif arg not in _FLOAT8_BARE_FLAGS:
             kept.append(arg)
@@ -122,20 +104,16 @@ def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> di
 def markdown_table(results: list[dict]) -> str:
     base = next((r for r in results if r["name"] == BASELINE and "summary" in r), None)
     base_val = base["summary"]["val_loss"] if base else None
-    head = (
+    rows = [
         "| config | final train loss (avg 10) | val loss | val vs bf16 | tokens/s | "
         "all-gather / step | peak memory |\n|---|---|---|---|---|---|---|"
-    )
-    rows = [head]
+    ]
     for r in results:
         if "summary" not in r:
             rows.append(f"| {r['name']} | failed (exit {r['failed']}) | | | | | |")
             continue
-        s = r["summary"]
-        val = s.get("val_loss")
-        gap = "-"
-        if val is not None and base_val:
-            gap = f"{100 * (val - base_val) / base_val:+.2f}%"
+        s, val = r["summary"], r["summary"].get("val_loss")
+        gap = f"{100 * (val - base_val) / base_val:+.2f}%" if val is not None and base_val else "-"
         rows.append(
             f"| {r['name']} | {s['final_loss_avg10']:.4f} | "
             f"{'-' if val is None else f'{val:.4f}'} | {gap} | {s['tokens_per_s']:,.0f} | "
@@ -149,22 +127,25 @@ def plot(results: list[dict], path: Path) -> bool:
     """Train loss per step (validation as dots) and, below, each run's train loss minus the
     bf16 run's at the same step (the curves overlap at this scale); False without matplotlib."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            "matplotlib is not installed, so no loss-curve PNG: install it with "
-            "`pip install -e '.[plot]'` (or `.venv/bin/pip install matplotlib`)",
-            flush=True,
-        )
+        plt = pyplot()
+    except ImportError as e:
+        print(f"{e}; no loss-curve PNG", flush=True)
         return False
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(2, 1))
     base = next((r for r in results if r["name"] == BASELINE and "metrics" in r), None)
     base_loss = {m["step"]: m["loss"] for m in base["metrics"]} if base else {}
     for r in (r for r in results if "metrics" in r):
-        _plot_run(top, bottom, r, base_loss)
+        metrics = r["metrics"]
+        steps = [m["step"] for m in metrics]
+        line = top.plot(steps, [m["loss"] for m in metrics], label=r["name"], lw=1)[0]
+        val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+        if val:
+            top.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8)
+        diff = [
+            (m["step"], m["loss"] - base_loss[m["step"]]) for m in metrics if m["step"] in base_loss
+        ]
+        if diff:
+            bottom.plot(*zip(*diff), color=line.get_color(), lw=1)
     top.set(ylabel="loss (train: line, validation: dots)", yscale="log")
     bottom.set(xlabel="step", ylabel=f"train loss - {BASELINE}")
     for ax in (top, bottom):
@@ -174,20 +155,6 @@ def plot(results: list[dict], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
-
-
-def _plot_run(top, bottom, result: dict, base_loss: dict[int, float]) -> None:
-    metrics = result["metrics"]
-    steps = [m["step"] for m in metrics]
-    line = top.plot(steps, [m["loss"] for m in metrics], label=result["name"], lw=1)[0]
-    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
-    if val:
-        top.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8)
-    diff = [
-        (m["step"], m["loss"] - base_loss[m["step"]]) for m in metrics if m["step"] in base_loss
-    ]
-    if diff:
-        bottom.plot(*zip(*diff), color=line.get_color(), lw=1)
 
 
 def main(argv: list[str] | None = None) -> int:

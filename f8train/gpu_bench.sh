@@ -4,26 +4,14 @@
 #   f8train/gpu_bench.sh OUTDIR        # run (from anywhere; it cd's to the repository root)
 #   f8train/gpu_bench.sh --dry-run     # print each step with its time limit, and the total
 #
-# Runs with the machine's torch, from the repository root, nothing installed: PYTHON picks
-# the interpreter (default python3); the package and f8train import from the checkout.
-# Each step runs under `timeout LIMIT` (then SIGKILL KILL_S later): a hang or a slow
-# compile costs at most its limit. The limits plus kill margins add up to at most 360 s
-# (tests/f8train/test_gpu_bench.py checks the dry-run total). Every benchmark writes its
-# JSON after every row, so a step cut short keeps what it measured. Steps, most valuable
-# first (nothing an H200 cannot run: no mxfp8, whose GEMMs need SM100):
-#   gpu_tests        the `gpu`-marked tests: real _scaled_mm / grouped / block GEMMs
-#                    against emulation, the CUDA amax, one-rank NCCL FSDP2
-#   train_bf16       f8train.train on one GPU, bf16 (--recipe off), per-block compile
-#   train_float8     the same run with --recipe tensorwise: tokens/s, MFU, peak memory
-#   train_compare    the two runs side by side (train_compare.json)
-#   linear_eager     bench_linear, Llama shapes, bf16 + tensorwise/rowwise/
-#                    rowwise_with_gw_hp/blockwise, eager, GEMM/other split
-#   fsdp             bench_fsdp, torchrun --nproc_per_node 1 with NCCL
-#   cast             bench_cast, eager (compiled casts are in linear_compile's layers)
-#   linear_compile   bench_linear compiled, 8B and 70B w1 shapes, tensorwise and rowwise
-# Files in OUTDIR: env.txt, gpu_tests.xml, train_bf16/ and train_float8/ (metrics.jsonl,
-# summary.json), train_compare.json, linear.json, fsdp.json, cast.json,
-# linear_compile.json, gpu_bench.log (everything printed).
+# Runs the machine's torch on the checkout, nothing installed (PYTHON: the interpreter,
+# default python3). Each step runs under `timeout LIMIT` (SIGKILL KILL_S later); limits plus
+# kill margins add up to at most 360 s (tests/f8train/test_gpu_bench.py). Benchmarks write
+# their JSON after every row, so a step cut short keeps what it measured. Steps, most
+# valuable first (no mxfp8: its GEMMs need SM100): the `gpu` tests; f8train.train bf16 and
+# tensorwise, compiled, side by side (train_compare); bench_linear eager with the GEMM/other
+# split; bench_fsdp on one NCCL rank; bench_cast; bench_linear compiled on two FFN shapes.
+# OUTDIR gets env.txt, gpu_tests.xml, train_*/, *.json and gpu_bench.log (all output).
 set -uo pipefail
 
 KILL_S=5
@@ -58,9 +46,7 @@ step() { # step NAME LIMIT CMD...: run under a timeout, log output and exit stat
     tee -a "$LOG"
 }
 
-if [ "$DRY" = 0 ]; then
-  : >"$LOG"
-fi
+[ "$DRY" = 1 ] || : >"$LOG"
 # env.txt: time, commit, GPU, driver, Python and torch ($0 is the interpreter, $1 OUT)
 ENV='date -u +%FT%TZ; git rev-parse --short HEAD; nvidia-smi --format=csv --query-gpu=name,memory.total,driver_version; "$0" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"'
 step env 10 bash -c "{ $ENV; } >\"\$1/env.txt\" 2>&1; cat \"\$1/env.txt\"" "$PYTHON" "$OUT"
