@@ -2,7 +2,7 @@
 
 Preferred source: the scale stored by `precompute_float8_dynamic_scale_for_fsdp` after the
 last optimizer step (one batched collective for the whole model). It is trusted only while
-the weight is unchanged since (the mutation generation of `base.WeightState`, bumped by
+the weight is unchanged since (the mutation generation of `state.WeightState`, bumped by
 every in-place op on the wrapper or its aliases), so a forgotten precompute costs a
 collective, never a stale scale. Otherwise: the local shard's amax,
 all-reduced over the shard mesh (one small collective for this weight).
