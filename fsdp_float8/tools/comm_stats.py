@@ -85,8 +85,13 @@ class CollectiveRecord:
 class _OpSpec:
     kind: CollectiveKind
     input_arg: str | None  # schema name of the argument holding what this rank sends
-    reduce_arg: str | None = None
-    group_arg: str | None = None
+
+
+# The reduce op and the group go by one name per namespace (c10d: `reduce_op`,
+# `process_group`; functional: `reduce_op`, `group_name`; legacy functional: `reduceOp`, and
+# a group only for its p2p ops), so they are read by name, not listed per op.
+_REDUCE_ARGS = ("reduce_op", "reduceOp")
+_GROUP_ARGS = ("process_group", "group_name")
 
 
 _K = CollectiveKind
@@ -97,81 +102,57 @@ _K = CollectiveKind
 # tests/unit/test_comm_stats_table.py fails when a torch registers one the table lacks.
 _SPECS: dict[str, _OpSpec] = {
     # torch.distributed API / ProcessGroup methods
-    "c10d::_allgather_base_": _OpSpec(_K.ALL_GATHER, "input_tensor", None, "process_group"),
-    "c10d::allgather_": _OpSpec(_K.ALL_GATHER, "input_tensors", None, "process_group"),
-    "c10d::allgather_coalesced_": _OpSpec(_K.ALL_GATHER, "input_list", None, "process_group"),
-    "c10d::allgather_into_tensor_coalesced_": _OpSpec(
-        _K.ALL_GATHER, "inputs", None, "process_group"
-    ),
-    "c10d::_reduce_scatter_base_": _OpSpec(
-        _K.REDUCE_SCATTER, "input_tensor", "reduce_op", "process_group"
-    ),
-    "c10d::reduce_scatter_": _OpSpec(
-        _K.REDUCE_SCATTER, "input_tensors", "reduce_op", "process_group"
-    ),
-    "c10d::reduce_scatter_tensor_coalesced_": _OpSpec(
-        _K.REDUCE_SCATTER, "inputs", "reduce_op", "process_group"
-    ),
-    "c10d::allreduce_": _OpSpec(_K.ALL_REDUCE, "tensors", "reduce_op", "process_group"),
-    "c10d::allreduce_coalesced_": _OpSpec(_K.ALL_REDUCE, "tensors", "reduce_op", "process_group"),
-    "c10d::broadcast_": _OpSpec(_K.BROADCAST, "tensors", None, "process_group"),
-    "c10d::alltoall_": _OpSpec(_K.ALL_TO_ALL, "input_tensors", None, "process_group"),
-    "c10d::alltoall_base_": _OpSpec(_K.ALL_TO_ALL, "input", None, "process_group"),
-    "c10d::reduce_": _OpSpec(_K.OTHER, "tensors", "reduce_op", "process_group"),
-    "c10d::gather_": _OpSpec(_K.OTHER, "input_tensors", None, "process_group"),
-    "c10d::gather_into_tensor_": _OpSpec(_K.OTHER, "input_tensor", None, "process_group"),  # 2.14+
-    "c10d::scatter_": _OpSpec(_K.OTHER, "input_tensors", None, "process_group"),
-    "c10d::send": _OpSpec(_K.OTHER, "tensors", None, "process_group"),
-    "c10d::recv_": _OpSpec(_K.OTHER, None, None, "process_group"),
-    "c10d::recv_any_source_": _OpSpec(_K.OTHER, None, None, "process_group"),
-    "c10d::barrier": _OpSpec(_K.OTHER, None, None, "process_group"),
-    "c10d::monitored_barrier_": _OpSpec(_K.OTHER, None, None, "process_group"),
+    "c10d::_allgather_base_": _OpSpec(_K.ALL_GATHER, "input_tensor"),
+    "c10d::allgather_": _OpSpec(_K.ALL_GATHER, "input_tensors"),
+    "c10d::allgather_coalesced_": _OpSpec(_K.ALL_GATHER, "input_list"),
+    "c10d::allgather_into_tensor_coalesced_": _OpSpec(_K.ALL_GATHER, "inputs"),
+    "c10d::_reduce_scatter_base_": _OpSpec(_K.REDUCE_SCATTER, "input_tensor"),
+    "c10d::reduce_scatter_": _OpSpec(_K.REDUCE_SCATTER, "input_tensors"),
+    "c10d::reduce_scatter_tensor_coalesced_": _OpSpec(_K.REDUCE_SCATTER, "inputs"),
+    "c10d::allreduce_": _OpSpec(_K.ALL_REDUCE, "tensors"),
+    "c10d::allreduce_coalesced_": _OpSpec(_K.ALL_REDUCE, "tensors"),
+    "c10d::broadcast_": _OpSpec(_K.BROADCAST, "tensors"),
+    "c10d::alltoall_": _OpSpec(_K.ALL_TO_ALL, "input_tensors"),
+    "c10d::alltoall_base_": _OpSpec(_K.ALL_TO_ALL, "input"),
+    "c10d::reduce_": _OpSpec(_K.OTHER, "tensors"),
+    "c10d::gather_": _OpSpec(_K.OTHER, "input_tensors"),
+    "c10d::gather_into_tensor_": _OpSpec(_K.OTHER, "input_tensor"),  # 2.14+
+    "c10d::scatter_": _OpSpec(_K.OTHER, "input_tensors"),
+    "c10d::send": _OpSpec(_K.OTHER, "tensors"),
+    "c10d::recv_": _OpSpec(_K.OTHER, None),
+    "c10d::recv_any_source_": _OpSpec(_K.OTHER, None),
+    "c10d::barrier": _OpSpec(_K.OTHER, None),
+    "c10d::monitored_barrier_": _OpSpec(_K.OTHER, None),
     # functional collectives (torch.distributed._functional_collectives, DTensor)
-    "_c10d_functional::all_gather_into_tensor": _OpSpec(_K.ALL_GATHER, "input", None, "group_name"),
-    "_c10d_functional::all_gather_into_tensor_out": _OpSpec(
-        _K.ALL_GATHER, "input", None, "group_name"
-    ),
-    "_c10d_functional::all_gather_into_tensor_coalesced": _OpSpec(
-        _K.ALL_GATHER, "inputs", None, "group_name"
-    ),
-    "_c10d_functional::reduce_scatter_tensor": _OpSpec(
-        _K.REDUCE_SCATTER, "input", "reduce_op", "group_name"
-    ),
-    "_c10d_functional::reduce_scatter_tensor_out": _OpSpec(
-        _K.REDUCE_SCATTER, "input", "reduce_op", "group_name"
-    ),
-    "_c10d_functional::reduce_scatter_tensor_coalesced": _OpSpec(
-        _K.REDUCE_SCATTER, "inputs", "reduce_op", "group_name"
-    ),
-    "_c10d_functional::all_reduce": _OpSpec(_K.ALL_REDUCE, "input", "reduce_op", "group_name"),
-    "_c10d_functional::all_reduce_": _OpSpec(_K.ALL_REDUCE, "input", "reduce_op", "group_name"),
-    "_c10d_functional::all_reduce_coalesced": _OpSpec(
-        _K.ALL_REDUCE, "inputs", "reduce_op", "group_name"
-    ),
-    "_c10d_functional::all_reduce_coalesced_": _OpSpec(
-        _K.ALL_REDUCE, "inputs", "reduce_op", "group_name"
-    ),
-    "_c10d_functional::broadcast": _OpSpec(_K.BROADCAST, "input", None, "group_name"),
-    "_c10d_functional::broadcast_": _OpSpec(_K.BROADCAST, "input", None, "group_name"),
-    "_c10d_functional::all_to_all_single": _OpSpec(_K.ALL_TO_ALL, "input", None, "group_name"),
-    "_c10d_functional::batch_p2p_ops": _OpSpec(_K.OTHER, "tensors", None, "group_name"),
-    "_c10d_functional::isend": _OpSpec(_K.OTHER, "tensor", None, "group_name"),
-    "_c10d_functional::irecv": _OpSpec(_K.OTHER, None, None, "group_name"),
-    "_dtensor::shard_dim_alltoall": _OpSpec(_K.ALL_TO_ALL, "input", None, "group_name"),
+    "_c10d_functional::all_gather_into_tensor": _OpSpec(_K.ALL_GATHER, "input"),
+    "_c10d_functional::all_gather_into_tensor_out": _OpSpec(_K.ALL_GATHER, "input"),
+    "_c10d_functional::all_gather_into_tensor_coalesced": _OpSpec(_K.ALL_GATHER, "inputs"),
+    "_c10d_functional::reduce_scatter_tensor": _OpSpec(_K.REDUCE_SCATTER, "input"),
+    "_c10d_functional::reduce_scatter_tensor_out": _OpSpec(_K.REDUCE_SCATTER, "input"),
+    "_c10d_functional::reduce_scatter_tensor_coalesced": _OpSpec(_K.REDUCE_SCATTER, "inputs"),
+    "_c10d_functional::all_reduce": _OpSpec(_K.ALL_REDUCE, "input"),
+    "_c10d_functional::all_reduce_": _OpSpec(_K.ALL_REDUCE, "input"),
+    "_c10d_functional::all_reduce_coalesced": _OpSpec(_K.ALL_REDUCE, "inputs"),
+    "_c10d_functional::all_reduce_coalesced_": _OpSpec(_K.ALL_REDUCE, "inputs"),
+    "_c10d_functional::broadcast": _OpSpec(_K.BROADCAST, "input"),
+    "_c10d_functional::broadcast_": _OpSpec(_K.BROADCAST, "input"),
+    "_c10d_functional::all_to_all_single": _OpSpec(_K.ALL_TO_ALL, "input"),
+    "_c10d_functional::batch_p2p_ops": _OpSpec(_K.OTHER, "tensors"),
+    "_c10d_functional::isend": _OpSpec(_K.OTHER, "tensor"),
+    "_c10d_functional::irecv": _OpSpec(_K.OTHER, None),
+    "_dtensor::shard_dim_alltoall": _OpSpec(_K.ALL_TO_ALL, "input"),
     # legacy functional collectives (tag + ranks instead of a group name)
     "c10d_functional::all_gather_into_tensor": _OpSpec(_K.ALL_GATHER, "shard"),
     "c10d_functional::all_gather_into_tensor_coalesced": _OpSpec(_K.ALL_GATHER, "input"),
-    "c10d_functional::reduce_scatter_tensor": _OpSpec(_K.REDUCE_SCATTER, "input", "reduceOp"),
-    "c10d_functional::reduce_scatter_tensor_coalesced": _OpSpec(
-        _K.REDUCE_SCATTER, "inputs", "reduceOp"
-    ),
-    "c10d_functional::all_reduce": _OpSpec(_K.ALL_REDUCE, "self", "reduceOp"),
-    "c10d_functional::all_reduce_coalesced": _OpSpec(_K.ALL_REDUCE, "self", "reduceOp"),
+    "c10d_functional::reduce_scatter_tensor": _OpSpec(_K.REDUCE_SCATTER, "input"),
+    "c10d_functional::reduce_scatter_tensor_coalesced": _OpSpec(_K.REDUCE_SCATTER, "inputs"),
+    "c10d_functional::all_reduce": _OpSpec(_K.ALL_REDUCE, "self"),
+    "c10d_functional::all_reduce_coalesced": _OpSpec(_K.ALL_REDUCE, "self"),
     "c10d_functional::broadcast": _OpSpec(_K.BROADCAST, "self"),
     "c10d_functional::all_to_all_single": _OpSpec(_K.ALL_TO_ALL, "input"),
-    "c10d_functional::batch_p2p_ops": _OpSpec(_K.OTHER, "tensors", None, "group_name"),
-    "c10d_functional::isend": _OpSpec(_K.OTHER, "self", None, "group_name"),
-    "c10d_functional::irecv": _OpSpec(_K.OTHER, None, None, "group_name"),
+    "c10d_functional::batch_p2p_ops": _OpSpec(_K.OTHER, "tensors"),
+    "c10d_functional::isend": _OpSpec(_K.OTHER, "self"),
+    "c10d_functional::irecv": _OpSpec(_K.OTHER, None),
 }
 
 # Ops in the collective namespaces that move no data between ranks.
@@ -267,10 +248,15 @@ def _make_record(func: Any, args: tuple, kwargs: dict) -> CollectiveRecord | Non
         op=str(func),
         dtype=dtypes.pop() if len(dtypes) == 1 else None,
         bytes=sum(t.numel() * t.element_size() for t in tensors),
-        reduce_op=_reduce_op_name(bound.get(spec.reduce_arg)) if spec.reduce_arg else None,
+        reduce_op=_reduce_op_name(_first(bound, _REDUCE_ARGS)),
         group_size=_group_size(bound),
-        group_name=_group_name(bound.get(spec.group_arg)) if spec.group_arg else None,
+        group_name=_group_name(_first(bound, _GROUP_ARGS)),
     )
+
+
+def _first(bound: dict[str, Any], names: tuple[str, ...]) -> Any:
+    """The value of the first of `names` the op's schema has, else None."""
+    return next((bound[n] for n in names if n in bound), None)
 
 
 def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -290,6 +276,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _reduce_op_name(value: Any) -> str | None:
+    if value is None:
+        return None
     if isinstance(value, str):  # functional collectives pass "sum", "avg", ...
         return value.lower()
     try:  # c10d ops pass a ScriptObject wrapping c10d::ReduceOp; .op() is its RedOpType
@@ -307,6 +295,8 @@ def _group_size(bound: dict[str, Any]) -> int | None:
 
 
 def _group_name(value: Any) -> str | None:
+    if value is None:
+        return None
     if isinstance(value, str):
         return value
     group = _process_group(value, None)

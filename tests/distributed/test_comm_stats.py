@@ -148,6 +148,7 @@ def test_plain_all_reduce_with_reduce_op(results):
     assert record["op"] == "c10d.allreduce_.default"
     assert (record["dtype"], record["bytes"], record["reduce_op"]) == ("torch.float32", 12, "max")
     assert record["group_size"] == WORLD_SIZE
+    assert isinstance(record["group_name"], str) and record["group_name"]
 
 
 def test_functional_collectives(results):
@@ -158,6 +159,7 @@ def test_functional_collectives(results):
     assert [r["reduce_op"] for r in records] == ["sum", None, "avg"]
     assert all(r["op"].startswith("_c10d_functional.") for r in records)
     assert all(r["group_size"] == WORLD_SIZE for r in records)
+    assert all(isinstance(r["group_name"], str) and r["group_name"] for r in records)
 
 
 def test_uint8_broadcast_barrier_and_scope(results):

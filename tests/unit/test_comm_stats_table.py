@@ -39,11 +39,16 @@ def test_spec_argument_names_exist_in_schemas():
         if name not in ops:
             continue  # not registered by this build (e.g. a backend-specific op)
         arg_names = {a.name for a in ops[name].arguments}
-        for field in ("input_arg", "reduce_arg", "group_arg"):
-            value = getattr(spec, field)
-            if value is not None and value not in arg_names:
-                wrong.append(f"{name}.{field}={value!r} not in {sorted(arg_names)}")
-    assert not wrong, "fix comm_stats._SPECS:\n" + "\n".join(wrong)
+        if spec.input_arg is not None and spec.input_arg not in arg_names:
+            wrong.append(f"{name}.input_arg={spec.input_arg!r} not in {sorted(arg_names)}")
+        # the reduce op and the group are read by their namespace's names
+        reducing = spec.kind in (comm_stats._K.REDUCE_SCATTER, comm_stats._K.ALL_REDUCE)
+        if reducing and not arg_names & set(comm_stats._REDUCE_ARGS):
+            wrong.append(f"{name} reduces but has none of {comm_stats._REDUCE_ARGS}")
+        grouped = not name.startswith("c10d_functional::")  # legacy: tag + ranks
+        if grouped and not arg_names & set(comm_stats._GROUP_ARGS):
+            wrong.append(f"{name} has none of {comm_stats._GROUP_ARGS}")
+    assert not wrong, "fix comm_stats._SPECS or its argument names:\n" + "\n".join(wrong)
 
 
 def test_unused_counter_is_empty():
