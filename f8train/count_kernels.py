@@ -37,7 +37,7 @@ from f8train.bench_common import (
     write_json,
 )
 from f8train.bench_fsdp import PRESETS, build, convert, train_step
-from fsdp_float8.core.float8_ops import _cpu_scaled_mm
+from fsdp_float8.core.gemm import _cpu_scaled_mm
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -173,17 +173,8 @@ def eager_counts(cases: list[tuple[str, str]], world: int = WORLD) -> dict:
     (`ranks_agree`: whether every rank counted the same ops)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_eager_worker, args=(r, world, tmp, cases)) for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"eager count ranks exited with {[p.exitcode for p in procs]}")
+    with tempfile.TemporaryDirectory() as tmp:  # a child's error is raised here with its rank
+        mp.spawn(_eager_worker, args=(world, tmp, cases), nprocs=world)
         per_rank = []
         for r in range(world):
             with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
