@@ -1,54 +1,168 @@
-"""A Llama-style decoder-only transformer used as the workload for float8 training.
+"""The Llama-style decoder-only transformer that float8 training runs on.
 
-Mental model: ``tokens -> tok_embeddings -> blocks[0..n_layers) -> norm -> output -> logits``.
-Each block is pre-norm residual:
+``tokens -> tok_embeddings -> blocks -> norm -> output -> logits``; each block is pre-norm
+residual: ``h = x + attention(attention_norm(x))`` (q/k/v/o linears, RoPE, GQA, causal
+SDPA), ``out = h + feed_forward(ffn_norm(h))`` (SwiGLU, or ``f8train.moe.MoE`` when
+``ModelArgs.moe`` is set). Every matmul is a bias-free ``nn.Linear``, the layers the float8
+conversion swaps; ``blocks`` is an ``nn.ModuleList`` so FSDP2 shards each block.
 
-    h = x + attention(attention_norm(x))      # q/k/v/o linears, RoPE, GQA, causal SDPA
-    out = h + feed_forward(ffn_norm(h))       # SwiGLU: w2(silu(w1(x)) * w3(x))
-
-With ``ModelArgs.moe`` set, ``feed_forward`` is a mixture of experts (``f8train.moe.MoE``:
-router, grouped 3-D expert weights, optional shared expert, load-balancing loss).
-
-Every matmul is a bias-free ``nn.Linear`` (the layers the float8 conversion swaps); the
-embedding, the norms and the output head are ordinary modules. ``Transformer.blocks`` is an
-``nn.ModuleList`` so FSDP2 can ``fully_shard`` each block and then the root.
-
-Initialization is explicit and deterministic: build the model (on any device, ``meta``
-included), move it (``to_empty``) if needed, then call ``init_weights(seed)``. Every
-parameter is drawn on the CPU from its own generator seeded by ``(seed, its name)``, so all
-ranks, all devices and all sharding layouts get identical values; with FSDP2 each rank
-copies out its own shard. The rotary tables are non-persistent buffers that
-``init_weights`` recomputes (``to_empty`` leaves them as garbage).
-
-``forward`` returns logits in the output head's compute dtype (float32 for float32
-parameters, the param dtype under FSDP2 mixed precision); upcast before the loss.
+Build anywhere (``meta`` included), ``to_empty`` if needed, then ``init_weights(seed)``:
+each parameter is drawn on the CPU from a generator seeded by (seed, its name), so every
+rank, device and sharding layout gets the same values. ``param_count`` and
+``flops_per_token`` (for MFU) need only the shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from f8train.model_shapes import PRESETS, ModelArgs, flops_per_token, model_args, param_count
-from f8train.moe import MoE
+from f8train.moe import MoE, MoEArgs
 
-__all__ = [
-    "PRESETS",
-    "Attention",
-    "FeedForward",
-    "ModelArgs",
-    "RMSNorm",
-    "Transformer",
-    "TransformerBlock",
-    "flops_per_token",
-    "model_args",
-    "num_params",
-    "param_count",
-]
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Shape of the transformer; ``ffn_hidden_dim`` is derived Llama-style."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    vocab_size: int = 256
+    multiple_of: int = 256  # round the SwiGLU hidden dim up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    moe: MoEArgs | None = None  # None: dense SwiGLU feed-forward in every block
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelArgs.{name}={value!r}; expected a positive int")
+        if self.dim % self.n_heads != 0 or self.head_dim % 2 != 0:
+            raise ValueError(
+                f"ModelArgs dim={self.dim}, n_heads={self.n_heads} give head_dim "
+                f"{self.dim / self.n_heads}; expected an even integer head_dim (RoPE rotates "
+                "pairs); choose dim divisible by 2 * n_heads"
+            )
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"ModelArgs n_kv_heads={self.n_kv_heads} with n_heads={self.n_heads}; expected "
+                "a positive divisor of n_heads (grouped-query attention shares each kv head "
+                "among n_heads // n_kv_heads query heads)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # Llama: 2/3 of 4 * dim (SwiGLU has three matrices), times the optional multiplier,
+        # rounded up to multiple_of
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+_TINY = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024)
+_LLAMA3 = dict(
+    n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192
+)
+PRESETS: dict[str, ModelArgs] = {
+    # ~3.3M parameters, byte-level; every linear dim is a multiple of 16 (float8 GEMMs)
+    "tiny": ModelArgs(**_TINY),
+    # tiny with a MoE feed-forward: 8 experts top-2 and a shared expert (8.0M)
+    "moe_tiny": ModelArgs(
+        **_TINY, moe=MoEArgs(n_experts=8, top_k=2, hidden_dim=256, shared_expert_hidden_dim=256)
+    ),
+    "small": ModelArgs(dim=512, n_layers=12, n_heads=8, n_kv_heads=4),  # ~38M, byte-level
+    # Llama-3 shapes (no rope frequency scaling): ffn hidden 14336 and 28672
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, multiple_of=1024, **_LLAMA3),
+    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, multiple_of=4096, **_LLAMA3),
+    # DeepSeek-V3-like on one node: sigmoid router, 64 fine experts top-6, a shared expert
+    "deepseek_v3_like": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=16,
+        vocab_size=129280,
+        max_seq_len=4096,
+        moe=MoEArgs(
+            n_experts=64,
+            top_k=6,
+            hidden_dim=1408,
+            score_fn="sigmoid",
+            shared_expert_hidden_dim=2816,
+        ),
+    ),
+    # Qwen3-30B-A3B's shape: 128 experts top-8, expert hidden 768, softmax router, GQA
+    "qwen3_moe_like": ModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_seq_len=4096,
+        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
+    ),
+}
+
+
+def model_args(preset: str, **overrides: object) -> ModelArgs:
+    """The named preset with fields replaced, e.g. ``model_args("tiny", n_layers=2)``."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; expected one of {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(
+            f"model_args got unknown override(s) {unknown}; expected fields of ModelArgs: "
+            f"{sorted(fields)}"
+        )
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+def param_count(args: ModelArgs, *, exclude_embedding: bool = True, active: bool = False) -> int:
+    """Parameters of ``Transformer(args)`` from the shapes alone. ``exclude_embedding``
+    leaves out the token embedding but counts the output head even when tied (its matmul
+    runs: the N of 6N); ``active`` counts only the ``top_k`` experts a token runs through."""
+    kv_dim = args.kv_heads * args.head_dim
+    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
+    mlp = 3 * args.dim * args.ffn_hidden_dim
+    if args.moe is not None:
+        m = args.moe
+        experts = m.top_k if active else m.n_experts
+        mlp = 3 * args.dim * (experts * m.hidden_dim + m.shared_expert_hidden_dim)
+        mlp += m.n_experts * args.dim  # router
+    per_block = attention + mlp + 2 * args.dim
+    total = args.n_layers * per_block + args.dim + args.vocab_size * args.dim
+    if not exclude_embedding and not args.tie_embeddings:
+        total += args.vocab_size * args.dim
+    return total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token, the PaLM appendix's ``6 N + 12 n_layers dim seq_len`` (N:
+    active non-embedding parameters, head included; attention ignores causal masking)."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len}; expected a positive int")
+    return 6 * param_count(args, active=True) + 12 * args.n_layers * args.dim * seq_len
 
 
 class RMSNorm(nn.Module):
@@ -64,9 +178,7 @@ class RMSNorm(nn.Module):
         return normed * self.weight
 
 
-def rope_tables(
-    args: ModelArgs, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each ``(max_seq_len, head_dim // 2)`` float32."""
     exponents = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float64)
     inv_freq = 1.0 / (args.rope_theta ** (exponents / args.head_dim))
@@ -79,8 +191,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate adjacent pairs ``(x[2i], x[2i+1])`` of ``x: (batch, seq, heads, head_dim)``."""
     pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos = cos[None, :, None, :]  # broadcast over batch and heads
-    sin = sin[None, :, None, :]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # broadcast over batch, heads
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -90,9 +201,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads = args.n_heads
-        self.n_kv_heads = args.kv_heads
-        self.head_dim = args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
@@ -115,13 +224,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``."""
+    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))`` (w1 gate, w3 up, w2 down)."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -146,7 +255,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM; call ``init_weights(seed)`` after building (see module docstring)."""
+    """Decoder-only LM; call ``init_weights(seed)`` after building. ``forward`` returns
+    logits in the head's compute dtype (the param dtype under mixed precision)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -157,6 +267,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # non-persistent: init_weights recomputes them (to_empty leaves garbage)
         cos, sin = rope_tables(args, self.tok_embeddings.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -181,19 +292,16 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Deterministically (re)initialize every parameter and the rotary buffers."""
         for name, param in self.named_parameters():
-            name = _canonical_name(name)
+            for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+                name = name.replace(wrapper, "")  # torch.compile, activation checkpointing
             full = _initial_value(name, tuple(param.shape), self.args, seed)
-            _copy_full_into(param, full)
-        cos, sin = rope_tables(self.args, self.rope_cos.device)
-        self.rope_cos = cos
-        self.rope_sin = sin
-
-
-def _canonical_name(name: str) -> str:
-    """Drop wrapper prefixes (torch.compile, activation checkpointing) from a param name."""
-    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
+            if isinstance(param, DTensor):  # each rank slices its shard, no communication
+                full = distribute_tensor(
+                    full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
+                param = param.to_local()
+            param.copy_(full)
+        self.rope_cos, self.rope_sin = rope_tables(self.args, self.rope_cos.device)
 
 
 def _initial_value(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int) -> torch.Tensor:
@@ -201,27 +309,16 @@ def _initial_value(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if len(shape) == 1:  # RMSNorm weights
         return torch.ones(shape)
-    if name == "tok_embeddings.weight":
-        # A tied embedding is also the output head: keep logits O(1) with a small std.
+    if name == "tok_embeddings.weight":  # tied, it is also the head: small std keeps logits O(1)
         std = 0.02 if args.tie_embeddings else 1.0
         return torch.empty(shape).normal_(0.0, std, generator=generator)
+    std = 0.02
     if name == "output.weight":
         std = args.dim**-0.5
-        return _trunc_normal(shape, std, generator)
-    std = 0.02
-    if name.endswith(
-        (".wo.weight", ".w2.weight", ".experts.w2")
-    ):  # residual-stream writers: depth-scaled
+    elif name.endswith((".wo.weight", ".w2.weight", ".experts.w2")):  # residual writers
         std = 0.02 / math.sqrt(2 * args.n_layers)
-    return _trunc_normal(shape, std, generator)
-
-
-def _trunc_normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
-    """N(0, std^2) truncated to +-3 std, by redrawing: standard normals from ``normal_``, and
-    those outside [-3, 3] drawn again from the same generator until none is left. Built from
-    ``normal_`` because ``nn.init.trunc_normal_`` changed its algorithm after torch 2.11 (other
-    values for the same seed); ``normal_`` gives the same values on 2.11 to 2.15
-    (tests/unit/test_model.py pins a few)."""
+    # N(0, std^2) truncated to +-3 std by redrawing from normal_, which gives the same values
+    # on torch 2.11 to 2.15 (nn.init.trunc_normal_ changed after 2.11; test_model.py pins it)
     z = torch.empty(shape).normal_(generator=generator)
     outside = z.abs() > 3
     while outside.any():
@@ -230,27 +327,9 @@ def _trunc_normal(shape: tuple[int, ...], std: float, generator: torch.Generator
     return z * std
 
 
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full CPU value into a parameter that may be an FSDP2-sharded DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # src_data_rank=None: no communication, every rank slices its shard from its own
-        # identical copy of `full` with the same chunking FSDP2 uses.
-        local = distribute_tensor(
-            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(full)
-
-
 def num_params(model: nn.Module, exclude_embedding: bool = True) -> int:
-    """Distinct parameters of ``model`` (global sizes for DTensors), minus the embedding.
-
-    For a tied model the shared matrix is counted once, so excluding the embedding also
-    excludes the head; use ``param_count`` for a FLOP count.
-    """
+    """Distinct parameters (global sizes for DTensors), minus the embedding (for a tied model
+    that is the head too; ``param_count`` is the one for FLOPs)."""
     total = sum(p.numel() for p in model.parameters())  # parameters() is deduplicated
     if exclude_embedding:
         embeddings = {

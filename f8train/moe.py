@@ -1,33 +1,53 @@
-"""The mixture-of-experts feed-forward of `f8train.model` (a block's `feed_forward` when
-`ModelArgs.moe` is set).
+"""The mixture-of-experts feed-forward of ``f8train.model`` (DeepSeek-V3 / Qwen3-MoE style,
+no expert parallelism).
 
-Mental model (DeepSeek-V3 / Qwen3-MoE style, no expert parallelism):
-
-    scores = router(x)                      # float32 logits (n_experts,), softmax or sigmoid
-    top_k_weights, top_k_index = topk(scores, k)   (renormalised over the k chosen)
-    tokens sorted by expert -> experts(x_sorted, tokens_per_expert) -> weighted, scattered back
-    out = routed + shared_expert(x)         # optional dense SwiGLU expert
-
-`GroupedExperts` is the torchtitan layout: `w1`, `w3` `(E, hidden, dim)`, `w2` `(E, dim,
-hidden)`, each `w[e]` an nn.Linear weight; `convert_to_float8_training` swaps it for
-`fsdp_float8.experts.modules.Float8GroupedExperts`. The router is not an nn.Linear (a plain
-parameter used in float32), so it always stays in high precision. After each forward the
-block keeps `aux_loss` (the Switch load-balancing loss `E * sum_e f_e * p_e`, f the fraction
-of routed slots and p the mean router probability of expert e) and `tokens_per_expert`.
+``router(x)`` gives float32 scores (softmax or sigmoid); each token goes to its ``top_k``
+experts, weights renormalised over the k; tokens sorted by expert run through
+``GroupedExperts`` (torchtitan's layout: ``w1``, ``w3`` ``(E, hidden, dim)``, ``w2``
+``(E, dim, hidden)``, which ``convert_to_float8_training`` swaps for
+``Float8GroupedExperts``) and are scattered back; an optional dense shared expert adds to
+every token. The router is a plain parameter, so it stays in high precision. Each forward
+keeps ``aux_loss`` (Switch load balancing ``E * sum_e f_e * p_e``: f the fraction of routed
+slots, p the mean router probability of expert e) and ``tokens_per_expert``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from f8train.model_shapes import MoEArgs
 from fsdp_float8.experts.grouped_mm import grouped_mm_hp
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoEArgs:
+    n_experts: int = 8
+    top_k: int = 2
+    hidden_dim: int = 256  # each expert's SwiGLU hidden size
+    score_fn: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    shared_expert_hidden_dim: int = 0  # 0: no shared expert
+    aux_loss_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.score_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoEArgs.score_fn={self.score_fn!r}; expected softmax or sigmoid")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"MoEArgs top_k={self.top_k}, n_experts={self.n_experts}; expected "
+                "1 <= top_k <= n_experts"
+            )
+        if self.hidden_dim <= 0 or self.shared_expert_hidden_dim < 0:
+            raise ValueError(
+                f"MoEArgs hidden_dim={self.hidden_dim}, shared_expert_hidden_dim="
+                f"{self.shared_expert_hidden_dim}; expected > 0 and >= 0"
+            )
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as 3-D weights; `forward(x, num_tokens_per_expert)`, x sorted."""
+    """E SwiGLU experts as 3-D weights; ``forward(x, num_tokens_per_expert)``, x sorted."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int) -> None:
         super().__init__()
@@ -45,8 +65,7 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus an optional dense `shared_expert` (the caller builds it, with
-    `args.shared_expert_hidden_dim`), both applied to every token."""
+    """Routed experts plus an optional dense ``shared_expert`` (built by the caller)."""
 
     def __init__(self, dim: int, args: MoEArgs, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
@@ -57,20 +76,12 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
-    def route(self, x2: torch.Tensor):
-        """(top_k_weights, top_k_index, probs) in float32 (the router in high precision)."""
-        logits = F.linear(x2.float(), self.router.float())
-        if self.args.score_fn == "softmax":
-            probs = logits.softmax(dim=-1)
-        else:
-            probs = logits.sigmoid()
-        top_w, top_i = probs.topk(self.args.top_k, dim=-1)
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        return top_w, top_i, probs
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        top_w, top_i, probs = self.route(x2)
+        logits = F.linear(x2.float(), self.router.float())  # the router in float32
+        probs = logits.softmax(dim=-1) if self.args.score_fn == "softmax" else logits.sigmoid()
+        top_w, top_i = probs.topk(self.args.top_k, dim=-1)
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         flat = top_i.reshape(-1)
         counts = torch.bincount(flat, minlength=self.args.n_experts)
         order = torch.argsort(flat, stable=True)
@@ -80,19 +91,16 @@ class MoE(nn.Module):
         out = torch.zeros_like(x2).index_add_(0, token_of, y.to(x2.dtype))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
-        self.aux_loss = self._load_balancing_loss(counts, probs)
+        fraction = counts.float() / counts.sum().clamp(min=1)
+        mean_prob = (probs / probs.sum(dim=-1, keepdim=True)).mean(dim=0)
+        self.aux_loss = self.args.n_experts * (fraction * mean_prob).sum()
         self.tokens_per_expert = counts.detach()
         return out.reshape(x.shape)
 
-    def _load_balancing_loss(self, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        fraction = counts.float() / counts.sum().clamp(min=1)
-        mean_prob = (probs / probs.sum(dim=-1, keepdim=True)).mean(dim=0)
-        return self.args.n_experts * (fraction * mean_prob).sum()
-
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The sum of every MoE block's load-balancing loss of the last forward, each times its
-    `aux_loss_coef` (None for a model without MoE blocks)."""
+    """Every MoE block's load-balancing loss of the last forward times its ``aux_loss_coef``,
+    summed (None for a model without MoE blocks)."""
     losses = [m.args.aux_loss_coef * m.aux_loss for m in model.modules() if isinstance(m, MoE)]
     return torch.stack(losses).sum() if losses else None
 
@@ -103,10 +111,9 @@ def tokens_per_expert(model: nn.Module) -> list[list[int]]:
 
 
 def moe_fields(model: nn.Module) -> dict:
-    """Metrics of the last forward for a MoE model ({} otherwise), this rank's tokens:
-    `moe_aux_loss` (weighted, as added to the loss), `expert_load_max_over_mean` (the
-    busiest expert's routed slots over the mean, worst block; 1.0 is perfect balance) and
-    `tokens_per_expert` (per block)."""
+    """This rank's MoE metrics of the last forward ({} without MoE): ``moe_aux_loss`` (as
+    added to the loss), ``expert_load_max_over_mean`` (busiest expert over the mean, worst
+    block; 1.0 is perfect balance) and ``tokens_per_expert``."""
     blocks = [m for m in model.modules() if isinstance(m, MoE) and m.tokens_per_expert is not None]
     if not blocks:
         return {}

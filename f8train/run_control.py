@@ -1,23 +1,94 @@
-"""Run control of ``f8train/train.py``: the graceful stop on SIGTERM/SIGINT and the test
-hooks that crash or hang a rank (hidden flags ``--crash-at-step`` and ``--hang-at-step``).
+"""How a run of ``f8train/train.py`` is controlled from outside: one job per ``--out``,
+a graceful stop on SIGTERM/SIGINT, and test hooks that crash or hang a rank.
+
+The lock ``OUT/.lock`` holds the owner's host, pid and start time: two jobs in one ``--out``
+would corrupt each other's checkpoints and metrics, and the symptom (a checkpoint that does
+not load) would point at the wrong cause. Rank 0 creates it with ``O_EXCL`` before anything
+in ``--out`` is read; a lock left by a dead job on this host is taken over, saying so; one
+from another host cannot be checked, so the message says how to remove it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+LOCK = ".lock"
+
+
+def _owner_text(owner: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(owner.get("started", 0)))
+    return f"pid {owner.get('pid')} on host {owner.get('host')}, started {started}"
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # runs, as another user
+        return True
+    return True
+
+
+def acquire_lock(out: Path) -> str | None:
+    """Take ``out``'s lock for this process; returns why it cannot (None: taken)."""
+    path = Path(out) / LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    for _ in range(2):  # a second try after removing a stale lock
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                owner = json.loads(path.read_text())
+            except (OSError, ValueError):
+                owner = {}
+            if owner.get("host") == me["host"] and not _pid_runs(int(owner.get("pid", -1))):
+                print(
+                    f"note: removing the stale lock {path} of a job that no longer runs "
+                    f"({_owner_text(owner)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                path.unlink(missing_ok=True)
+                continue
+            return (
+                f"--out {out} is in use by another job ({_owner_text(owner)}; lock file "
+                f"{path}). Two jobs in one --out would overwrite each other's checkpoints "
+                f"and metrics: wait for that job to end, or use another --out. If that job "
+                f"is not running any more, delete {path} and rerun."
+            )
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return None
+    return f"could not take the lock {path}: it reappeared after removing a stale one"
+
+
+def release_lock(out: Path) -> None:
+    """Remove the lock if this process holds it."""
+    path = Path(out) / LOCK
+    try:
+        owner = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
+
 
 class GracefulStop:
-    """SIGTERM/SIGINT set a flag the training loop checks once per step (all ranks agree
-    through the per-step all-reduce), so the run saves a checkpoint and exits cleanly. A
-    second signal falls back to the default behaviour."""
+    """SIGTERM/SIGINT set a flag the loop checks once per step (all ranks agree through the
+    per-step all-reduce), so the run saves a checkpoint and exits 0. A second signal falls
+    back to the previous handler."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -34,21 +105,17 @@ class GracefulStop:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
     def __enter__(self) -> GracefulStop:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.restore()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def maybe_crash(step: int, crash_at_step: int | None, rank: int, world: int, out: Path) -> None:
     """Test hook (``--crash-at-step K``): the last rank exits abruptly after step K, the
-    first time only (a marker file in ``out`` remembers it), so that ``torchrun
-    --max-restarts 1`` restarts the job and it resumes from the latest checkpoint."""
+    first time only (a marker file in ``out``), so ``torchrun --max-restarts 1`` resumes."""
     if crash_at_step is None or step != crash_at_step or rank != world - 1:
         return
     marker = Path(out) / f".crashed_at_step_{step}"
@@ -61,9 +128,8 @@ def maybe_crash(step: int, crash_at_step: int | None, rank: int, world: int, out
 
 
 def maybe_hang(step: int, hang_at_step: int | None, rank: int, world: int) -> None:
-    """Test hook (``--hang-at-step K``): after step K the last rank waits in a receive that
-    no rank sends, so the others block in the next step's collectives: a hung job, which
-    ``--pg-timeout-s`` must end with a message."""
+    """Test hook (``--hang-at-step K``): after step K the last rank waits in a receive no
+    rank sends, a hung job that ``--pg-timeout-s`` must end with a message."""
     if hang_at_step is None or step != hang_at_step or rank != world - 1 or world == 1:
         return
     print(f"[rank {rank}] --hang-at-step {step}: waiting for a message never sent", flush=True)

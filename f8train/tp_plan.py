@@ -1,17 +1,11 @@
-"""The tensor-parallel plan of the Llama-style model (`f8train.model`), torchtitan's layout.
+"""The tensor-parallel plan of ``f8train.model``, torchtitan's layout.
 
-Per block: the norms are sequence-parallel (activations sharded on the sequence dim
-between blocks' linears), attention's wq/wk/wv and the MLP's w1/w3 are colwise, wo and w2
-rowwise (their outputs reduce-scattered back to sequence shards). The inputs of attention
-and of the MLP go from sequence shards to whole: with float8 tensorwise layers
-`PrepareFloat8ModuleInput` all-gathers them in float8 (1 byte per element), otherwise
-`PrepareModuleInput` in high precision. The embedding is rowwise (vocab-sharded, output to
-sequence shards), the final norm sequence-parallel, the output head colwise with a
-replicated output (the loss sees whole logits).
-
-A converted layer (`Float8Linear`) gets fsdp_float8's float8 style, any other linear torch's
-own: the same plan serves a bf16 model. Apply it after `convert_to_float8_training` and
-before `fully_shard`; each block's attention then holds `n_heads / tp` heads per rank.
+Per block: the norms are sequence-parallel; wq/wk/wv and w1/w3 colwise, wo and w2 rowwise
+(outputs reduce-scattered back to sequence shards). Attention's and the MLP's inputs go from
+sequence shards to whole, in float8 (``PrepareFloat8ModuleInput``, 1 byte per element) when
+their consumers are tensorwise float8 layers. The embedding is rowwise, the head colwise with
+a replicated output. A ``Float8Linear`` gets fsdp_float8's style, any other linear torch's,
+so the plan also serves a bf16 model. Apply after the float8 swap, before ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -32,23 +26,6 @@ from fsdp_float8 import Float8Linear
 from fsdp_float8.core.config import Gemm, Operand
 from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
 from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
-
-
-def check_tp_size(model: Transformer, tp: int) -> None:
-    """Every sharded dim must split evenly over `tp` ranks (raises ValueError)."""
-    args = model.args
-    dims = {
-        "n_heads": args.n_heads,
-        "n_kv_heads": args.kv_heads,
-        "ffn_hidden_dim": args.ffn_hidden_dim,
-        "vocab_size": args.vocab_size,
-    }
-    bad = {k: v for k, v in dims.items() if v % tp}
-    if bad:
-        raise ValueError(
-            f"tensor parallel size {tp} does not divide {bad}; choose --tp dividing every "
-            f"one of {dims} (the sequence length must be a multiple of it too)"
-        )
 
 
 def _colwise(m: nn.Module):
@@ -104,14 +81,25 @@ def block_plan(block: nn.Module) -> dict[str, object]:
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     """Parallelize `model` in place over the 1-D `tp_mesh` (see the module docstring)."""
-    tp = tp_mesh.size()
-    check_tp_size(model, tp)
-    if model.args.moe is not None:
+    tp, args = tp_mesh.size(), model.args
+    dims = {
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.kv_heads,
+        "ffn_hidden_dim": args.ffn_hidden_dim,
+        "vocab_size": args.vocab_size,
+    }
+    bad = {k: v for k, v in dims.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"tensor parallel size {tp} does not divide {bad}; choose --tp dividing every "
+            f"one of {dims} (the sequence length must be a multiple of it too)"
+        )
+    if args.moe is not None:
         raise ValueError(
             "tensor parallelism of mixture-of-experts blocks is not supported (the plan "
             "shards the dense SwiGLU feed-forward); use a dense preset, or --tp 1 for MoE"
         )
-    if model.args.tie_embeddings:
+    if args.tie_embeddings:
         raise ValueError(
             "tensor parallelism of a model with tied embeddings is not supported (the "
             "embedding is sharded by vocab rows, the head by output columns); untie them"

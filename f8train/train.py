@@ -40,7 +40,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from f8train import run_lock
 from f8train.checkpoint import (
     Checkpointer,
     ModelOptimizerState,
@@ -54,19 +53,24 @@ from f8train.data import (
     TokenData,
     ValidationBatches,
     check_token_ids,
-    load_tokens_from_args,
+    load_tokens,
 )
 from f8train.flag_checks import block_all_gather_problem
 from f8train.float8_flags import describe, float8_config
 from f8train.model import flops_per_token, num_params
 from f8train.moe import moe_aux_loss, moe_fields
-from f8train.optimizer import build_optimizer, build_scheduler
 from f8train.process_group import Dist, collective_failure_message, init_distributed
 from f8train.rank_exit import enable_crash_traces, exit_rank
 from f8train.resume import ResumePoint, find_resume
 from f8train.resume_settings import checkpoint_settings
-from f8train.run_control import GracefulStop, maybe_crash, maybe_hang
-from f8train.sharded_model import build_args, build_model, conversion_counts
+from f8train.run_control import GracefulStop, acquire_lock, maybe_crash, maybe_hang, release_lock
+from f8train.sharded_model import (
+    build_args,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    conversion_counts,
+)
 from f8train.train_args import parse_args
 from f8train.train_log import (
     MetricsFile,
@@ -365,7 +369,12 @@ def _train_time(records: list[dict]) -> float:
 def load_data(args: argparse.Namespace) -> TokenData:
     """The corpus, with every token id checked against the model's vocabulary."""
     try:
-        data = load_tokens_from_args(args)
+        data = load_tokens(
+            args.data,
+            cache_dir=args.cache_dir,
+            token_dtype=args.token_dtype,
+            val_fraction=args.val_fraction,
+        )
         check_token_ids(data, build_args(args).vocab_size)
     except (OSError, ValueError) as err:
         raise SystemExit(f"--data: {err}") from None
@@ -384,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     d = init_distributed(args.device, args.hsdp_replicate, tp=args.tp, timeout_s=args.pg_timeout_s)
     locked = False
     try:
-        why = run_lock.acquire(Path(args.out)) if d.is_main else None
+        why = acquire_lock(Path(args.out)) if d.is_main else None
         locked = d.is_main and why is None
         why = broadcast_from_0(why)
         if why is not None:  # every rank stops, naming the job that holds --out
@@ -397,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(message) from None
     finally:
         if locked:
-            run_lock.release(Path(args.out))
+            release_lock(Path(args.out))
         dist.destroy_process_group()
 
 

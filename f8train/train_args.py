@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from f8train.data import add_data_args
+from f8train.data import default_cache_dir
 from f8train.flag_checks import flag_problems
 from f8train.float8_flags import RECIPES, SCALINGS
 from f8train.model import PRESETS
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _parallel_args(parser.add_argument_group("parallelism and precision"))
     _optim_args(parser.add_argument_group("optimization"))
     _run_args(parser.add_argument_group("run, logging, checkpoints"))
-    add_data_args(parser.add_argument_group("data"))
+    _data_args(parser.add_argument_group("data"))
     return parser
 
 
@@ -226,6 +226,28 @@ def _run_args(g) -> None:
     g.add_argument("--crash-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
     g.add_argument("--nan-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
     g.add_argument("--hang-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
+
+
+def _data_args(g) -> None:
+    g.add_argument(
+        "--data",
+        default=None,
+        help="text file, folder of text files, or .u16.bin/.u32.bin token file "
+        "(default: the Python stdlib sources)",
+    )
+    g.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
+    g.add_argument("--token-dtype", default=None, choices=["uint16", "uint32"])
+    g.add_argument("--val-fraction", type=_fraction, default=0.01, help="in (0, 1)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from f8train import run_lock
+from f8train import run_control
 from f8train.train_log import MetricsFile
 
 
@@ -33,13 +33,13 @@ def test_metrics_of_steps_trained_again_are_moved_not_truncated(tmp_path: Path) 
 
 
 def test_second_job_on_the_same_out_is_refused(tmp_path: Path) -> None:
-    assert run_lock.acquire(tmp_path) is None
-    why = run_lock.acquire(tmp_path)  # a second job (here: the same live pid)
+    assert run_control.acquire_lock(tmp_path) is None
+    why = run_control.acquire_lock(tmp_path)  # a second job (here: the same live pid)
     assert why is not None and "is in use by another job" in why, why
     assert f"pid {os.getpid()} on host {socket.gethostname()}" in why
-    assert "use another --out" in why and str(tmp_path / run_lock.LOCK) in why
-    run_lock.release(tmp_path)
-    assert not (tmp_path / run_lock.LOCK).exists()
+    assert "use another --out" in why and str(tmp_path / run_control.LOCK) in why
+    run_control.release_lock(tmp_path)
+    assert not (tmp_path / run_control.LOCK).exists()
 
 
 def test_lock_of_a_dead_job_is_taken_over(tmp_path: Path, capsys) -> None:
@@ -50,11 +50,11 @@ def test_lock_of_a_dead_job_is_taken_over(tmp_path: Path, capsys) -> None:
         check=True,
     )
     owner = {"host": socket.gethostname(), "pid": int(dead.stdout), "started": 0}
-    (tmp_path / run_lock.LOCK).write_text(json.dumps(owner))
-    assert run_lock.acquire(tmp_path) is None
+    (tmp_path / run_control.LOCK).write_text(json.dumps(owner))
+    assert run_control.acquire_lock(tmp_path) is None
     assert "removing the stale lock" in capsys.readouterr().err
-    assert json.loads((tmp_path / run_lock.LOCK).read_text())["pid"] == os.getpid()
-    run_lock.release(tmp_path)
+    assert json.loads((tmp_path / run_control.LOCK).read_text())["pid"] == os.getpid()
+    run_control.release_lock(tmp_path)
 
 
 def test_compare_keeps_an_earlier_run_in_the_way(tmp_path: Path, monkeypatch) -> None:

@@ -15,7 +15,7 @@ from f8train import compare
 from f8train.checkpoint import Checkpointer
 from f8train.checkpoint_manifest import MANIFEST
 from f8train.float8_flags import float8_config, parse_static_scales
-from f8train.optimizer import WarmupCosine
+from f8train.sharded_model import WarmupCosine
 from f8train.train import describe
 from f8train.train_args import parse_args
 from f8train.train_log import MetricsFile, format_summary, read_metrics, summary
