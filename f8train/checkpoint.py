@@ -1,32 +1,30 @@
-"""Checkpoints of ``f8train/train.py`` with torch.distributed.checkpoint (DCP).
+"""Checkpoints of ``f8train/train.py``: one DCP folder ``OUT/checkpoints/step_00000042/``.
 
-Mental model: a checkpoint is one DCP folder ``OUT/checkpoints/step_00000042/`` holding
+It holds ``app`` (model and optimizer from ``get_state_dict``: sharded DTensors, delayed
+scaling buffers included; DCP reshards on load, so a 2-rank checkpoint loads on 1 or 4),
+``scheduler`` (without its lambda), ``batcher``, ``rng``, ``progress``, and, written after
+every rank's DCP files, ``manifest.json``: each file's size and sha256 (each rank hashes a
+share) and the run settings the checkpoint depends on. The manifest marks a finished save.
+``verify`` checks a folder against it; the findings are all-gathered, so every rank holds
+the same sorted ``Problem`` list and takes the same decision.
 
-- ``app``: model and optimizer state from ``get_state_dict`` (sharded DTensors; the
-  delayed-scaling buffers are model buffers, so they come along), loaded back with
-  ``set_state_dict``. Each rank writes its own shards; DCP reshards on load, so a
-  checkpoint saved on 2 ranks loads on 1 or 4;
-- ``scheduler`` (without its lambda: the schedule's shape comes from the resumed run's
-  flags), ``batcher`` (the data position), ``rng`` and ``progress`` (step, tokens);
-- ``manifest.json``, written after every rank's DCP files: each file's size and sha256 and
-  the run settings the checkpoint depends on (``f8train/checkpoint_manifest.py``);
-  ``f8train/resume.py`` verifies the files against it before anything is loaded.
-
-A folder without a manifest is one of two things, told apart by ``dcp_problem``: an
-interrupted save (no readable ``.metadata``, or a file it names is missing or short: DCP
-could not load it) or a checkpoint *in doubt* (DCP's files are all there: saved before
-manifests existed, or its manifest was lost). Nothing that could load is ever deleted:
-pruning removes only complete checkpoints beyond the newest ``keep`` and interrupted saves;
-a save that finds a loadable folder in its way renames it aside (``step_N.set_aside``).
+A folder without a manifest is an interrupted save (``dcp_problem`` says why DCP could not
+load it) or a checkpoint *in doubt* (DCP's files all there). Nothing that could load is
+deleted: pruning removes complete checkpoints beyond the newest ``keep`` and interrupted
+saves; a save that finds a loadable folder in its way renames it ``step_N.set_aside``.
 Before each save the free disk space is checked against the last checkpoint's size.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import pickle
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,23 +37,33 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from f8train.checkpoint_manifest import (
-    MANIFEST,
-    all_gather_object,
-    broadcast_from_0,
-    write_manifest,
-)
+from f8train.process_group import all_gather_object, broadcast_from_0, rank_world
+from f8train.train_log import fmt_bytes
 
-_PREFIX = "step_"
-_STEP_DIR = re.compile(rf"{_PREFIX}(\d+)")
+MANIFEST = "manifest.json"
+FORMAT = 1
 SET_ASIDE = "set_aside"
-# free space asked for beyond the estimated size of a checkpoint (metadata, the manifest)
-_SPACE_MARGIN = 1.10
+_STEP_DIR = re.compile(r"step_(\d+)")
+_SPACE_MARGIN = 1.10  # beyond the estimated size of a checkpoint (metadata, the manifest)
+
+
+def step_of(path: Path) -> int:
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
+def aside_name(path: Path, suffix: str) -> Path:
+    """``step_N.suffix``, or ``step_N.suffix2``, ... : a name nothing uses yet."""
+    new, n = path.with_name(f"{path.name}.{suffix}"), 1
+    while new.exists():
+        n += 1
+        new = path.with_name(f"{path.name}.{suffix}{n}")
+    return new
 
 
 def dcp_problem(path: Path) -> str | None:
-    """Why DCP could not load the folder ``path`` (None: it looks loadable: ``.metadata``
-    reads and every file it names is on disk, long enough for the bytes it needs there)."""
+    """Why DCP could not load the folder ``path`` (None: ``.metadata`` reads and every file
+    it names is on disk, long enough for the bytes it needs there)."""
     meta = Path(path) / ".metadata"
     if not meta.is_file():
         return "no .metadata (DCP's save did not finish)"
@@ -85,33 +93,105 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+# ---- the manifest ---------------------------------------------------------------------
 
 
-def fmt_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+@dataclass(frozen=True, order=True)
+class Problem:
+    """One finding about one file of a checkpoint: what is wrong with it."""
+
+    file: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what}"
 
 
-def aside_name(path: Path, suffix: str) -> Path:
-    """``step_N.suffix``, or ``step_N.suffix2``, ... : a name nothing uses yet."""
-    new, n = path.with_name(f"{path.name}.{suffix}"), 1
-    while new.exists():
-        n += 1
-        new = path.with_name(f"{path.name}.{suffix}{n}")
-    return new
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """Hash the saved folder (collective: each rank a share) and, on rank 0, write
+    ``manifest.json`` (to a temporary name, then renamed). Returns the manifest."""
+    path = Path(path)
+    rank, world = rank_world()
+    names = None
+    if rank == 0:
+        found = (p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+        names = sorted(n for n in found if n != MANIFEST and not n.startswith(f"{MANIFEST}."))
+    names = broadcast_from_0(names)
+    mine = {
+        n: {"bytes": (path / n).stat().st_size, "sha256": _sha256(path / n)}
+        for n in names[rank::world]
+    }
+    files: dict[str, Any] = {}
+    for part in all_gather_object(mine):
+        files.update(part)
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world,
+        "files": dict(sorted(files.items())),
+        "settings": settings,
+    }
+    if rank == 0:
+        tmp = path / f"{MANIFEST}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        os.replace(tmp, path / MANIFEST)
+    return manifest
+
+
+def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)``, or ``(None, why it cannot be used)``."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        return None, f"no {MANIFEST} (the save did not finish, or f8train.train did not write it)"
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"{MANIFEST} cannot be read ({err})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
+        return None, f"{MANIFEST} is not a format-{FORMAT} manifest with a file list"
+    return manifest, None
+
+
+def _check(path: Path, name: str, expected: dict[str, Any]) -> Problem | None:
+    file = path / name
+    if not file.is_file():
+        return Problem(name, "missing (listed in the manifest, not on disk)")
+    size = file.stat().st_size
+    if size != expected.get("bytes"):
+        return Problem(name, f"{size} bytes on disk, {expected.get('bytes')} when saved")
+    if _sha256(file) != expected.get("sha256"):
+        return Problem(name, "contents changed since the save (sha256 differs)")
+    return None
+
+
+def verify(path: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """Check a checkpoint against its manifest (collective, same answer on every rank).
+    Returns the manifest and the problems found (none: intact)."""
+    path = Path(path)
+    rank, world = rank_world()
+    manifest, why = broadcast_from_0(read_manifest(path) if rank == 0 else (None, None))
+    if manifest is None:
+        return None, [Problem(MANIFEST, why)]
+    names = sorted(manifest["files"])
+    mine = [_check(path, n, manifest["files"][n]) for n in names[rank::world]]
+    found = [p for part in all_gather_object([p for p in mine if p is not None]) for p in part]
+    return manifest, sorted(found)
+
+
+# ---- what a checkpoint holds ----------------------------------------------------------
 
 
 class ModelOptimizerState(Stateful):
     """Model + optimizer through DCP's state-dict helpers (FQNs without wrapper prefixes)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
+        self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -140,8 +220,8 @@ class SchedulerState(Stateful):
 
 
 class RNGState(Stateful):
-    """The torch RNG states (CPU, and the current CUDA device's); identical on all ranks,
-    since every rank seeds the same, so a resharded resume can restore them too."""
+    """The torch RNG states (CPU, and the current CUDA device's); the same on all ranks,
+    since every rank seeds the same, so a resharded resume restores them too."""
 
     def state_dict(self) -> dict[str, Any]:
         state = {"cpu": torch.get_rng_state()}
@@ -159,36 +239,27 @@ class ProgressState(Stateful):
     """Where the run is: the last completed step and the tokens trained on so far."""
 
     def __init__(self) -> None:
-        self.step = 0
-        self.tokens = 0
+        self.step = self.tokens = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens": self.tokens}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-        self.tokens = int(state_dict["tokens"])
+        self.step, self.tokens = int(state_dict["step"]), int(state_dict["tokens"])
+
+
+# ---- the folder of checkpoints --------------------------------------------------------
 
 
 class Checkpointer:
     """Save/load/find the DCP checkpoints under ``root``; ``keep`` newest are kept."""
 
     def __init__(self, root: Path, *, keep: int, is_main: bool) -> None:
-        self.root = Path(root)
-        self.keep = keep
-        self.is_main = is_main
+        self.root, self.keep, self.is_main = Path(root), keep, is_main
 
     @staticmethod
     def is_complete(path: Path) -> bool:
         return (Path(path) / MANIFEST).is_file()
-
-    def complete(self) -> list[Path]:
-        """Complete checkpoints (those with a manifest), oldest first."""
-        return [p for p in self.step_dirs() if self.is_complete(p)]
-
-    def in_doubt(self) -> list[Path]:
-        """Folders without a manifest whose DCP files are all there, oldest first."""
-        return [p for p in self.step_dirs() if not self.is_complete(p) and not dcp_problem(p)]
 
     def step_dirs(self) -> list[Path]:
         """Folders named like a checkpoint (``step_N``), complete or not, oldest first."""
@@ -197,12 +268,16 @@ class Checkpointer:
         found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
         return sorted(found, key=step_of)
 
+    def complete(self) -> list[Path]:
+        """Complete checkpoints (those with a manifest), oldest first."""
+        return [p for p in self.step_dirs() if self.is_complete(p)]
+
     def latest(self) -> Path | None:
         found = self.complete()
         return found[-1] if found else None
 
     def path_for(self, step: int) -> Path:
-        return self.root / f"{_PREFIX}{step:08d}"
+        return self.root / f"step_{step:08d}"
 
     def save(self, step: int, state: dict[str, Stateful], settings: dict[str, Any]) -> Path:
         """DCP save, then the manifest of checksums (collective: every rank calls it)."""
@@ -225,20 +300,16 @@ class Checkpointer:
             self._prune()
         return path
 
-    def needed_bytes(self, state: dict[str, Stateful] | None) -> int:
-        """The space the next checkpoint is expected to take: the newest complete one's
-        size, else the bytes of the state's tensors over all ranks (0 without a state)."""
-        latest = broadcast_from_0(self.latest() if self.is_main else None)
-        if latest is not None:
-            return int(folder_bytes(latest) * _SPACE_MARGIN)
-        if state is None:
-            return 0
-        return int(sum(all_gather_object(_tensor_bytes(state))) * _SPACE_MARGIN)
-
     def check_space(self, step: int | None, state: dict[str, Stateful] | None = None) -> int:
         """Stop every rank, with rank 0's verdict, when the disk lacks room for the next
-        checkpoint (collective). Returns the bytes needed."""
-        need = self.needed_bytes(state)
+        checkpoint: the newest one's size, else the state's tensor bytes over all ranks
+        (collective). Returns the bytes needed."""
+        latest = broadcast_from_0(self.latest() if self.is_main else None)
+        if latest is not None:
+            need = sum(p.stat().st_size for p in Path(latest).rglob("*") if p.is_file())
+        else:
+            need = sum(all_gather_object(_tensor_bytes(state))) if state is not None else 0
+        need = int(need * _SPACE_MARGIN)
         problem = None
         if self.is_main and free_bytes(self.root) < need:
             problem = self._no_space(step, need, "checked before the save")
@@ -253,9 +324,9 @@ class Checkpointer:
         resume = f"rerun the same command to resume from {latest}" if latest else "rerun"
         return (
             f"No space left on device for {what} under {self.root} ({when}): "
-            f"{fmt_size(free_bytes(self.root))} free, about {fmt_size(need)} needed (the last "
-            f"checkpoint's size). Free space on that disk (or lower --keep-ckpts, or choose "
-            f"another --out), then {resume}. No checkpoint was deleted."
+            f"{fmt_bytes(free_bytes(self.root))} free, about {fmt_bytes(need)} needed (the "
+            f"last checkpoint's size). Free space on that disk (or lower --keep-ckpts, or "
+            f"choose another --out), then {resume}. No checkpoint was deleted."
         )
 
     def _clear(self, path: Path) -> None:
@@ -317,8 +388,3 @@ def _tensor_bytes(state: dict[str, Stateful]) -> int:
 def _first_lines(err: BaseException, n: int = 6) -> str:
     lines = [line for line in str(err).splitlines() if line.strip()]
     return "\n".join(lines[:n]) + ("\n..." if len(lines) > n else "")
-
-
-def step_of(path: Path) -> int:
-    match = _STEP_DIR.fullmatch(Path(path).name)
-    return int(match.group(1)) if match else -1

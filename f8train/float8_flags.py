@@ -1,6 +1,11 @@
-"""The float8 flags of ``f8train/train.py``: from ``--recipe``/``--scaling``/... to a
-``Float8LinearConfig``, the filter choosing which linears convert, and a one-line name of
-the configuration.
+"""The float8 flags of ``f8train/train.py``: ``float8_config`` (``--recipe``, ``--scaling``,
+... to a ``Float8LinearConfig``), the filters choosing which layers convert, ``describe``
+(a one-line name of the configuration), and the refusals of float8 flags that would do
+nothing or cannot run. A flag that changes nothing is a silent bug in the user's command
+(``--static-scales input=4`` without ``--scaling static`` once trained with dynamic scales
+and reported tensorwise/dynamic), so ``flag_problems`` names each one with the remedy;
+``--float8-skip`` globs and block all-gather shapes are checked on the model built on the
+meta device, before any process group exists.
 """
 
 from __future__ import annotations
@@ -9,29 +14,39 @@ import argparse
 import fnmatch
 import math
 
+import torch
 from torch import nn
 
-from fsdp_float8 import CastConfig, DelayedScalingConfig, Float8LinearConfig
+from f8train.model import Transformer, build_args
+from f8train.moe import GroupedExperts
+from fsdp_float8 import CastConfig, DelayedScalingConfig, Float8LinearConfig, Gemm, Operand
 from fsdp_float8.nn.convert import dims_divisible_by_16
 
 RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+SCALINGS = ("dynamic", "delayed", "static")
 # float8 all-gather by default: tensorwise, and mxfp8 (every linear of the tiny preset has
 # whole 32-row blocks per rank); not blockwise: the tiny preset's wk/wv have 64 rows per
 # rank on 2 ranks, not whole 128-row blocks, which a block all-gather refuses
 DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8")
+# static scales multiply hp values into float8 range: roughly fp8_max / expected amax
+DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
+# flags that act only on float8 layers, as (attribute, flag, is it set?)
+_FLOAT8_ONLY = (
+    ("scaling", "--scaling", lambda v: v != "dynamic"),
+    ("fp8_all_gather", "--fp8-all-gather / --no-fp8-all-gather", lambda v: v is not None),
+    ("static_scales", "--static-scales", lambda v: v is not None),
+    ("delayed_history", "--delayed-history", lambda v: v is not None),
+    ("float8_skip", "--float8-skip", bool),
+    ("emulate", "--emulate", bool),
+    ("numerics_every", "--numerics-every", bool),
+    ("precompute", "--no-precompute", lambda v: not v),
+)
 
 
 def default_all_gather(args: argparse.Namespace) -> bool:
-    return (
-        args.fp8_all_gather
-        if args.fp8_all_gather is not None
-        else args.recipe in DEFAULT_ALL_GATHER
-    )
-
-
-SCALINGS = ("dynamic", "delayed", "static")
-# static scales multiply hp values into float8 range: roughly fp8_max / expected amax
-DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
+    if args.fp8_all_gather is not None:
+        return args.fp8_all_gather
+    return args.recipe in DEFAULT_ALL_GATHER
 
 
 def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
@@ -39,37 +54,33 @@ def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
     config's own message when the combination is refused."""
     if args.recipe == "off":
         return None
-    all_gather = default_all_gather(args)
-    overrides: dict = {"enable_fsdp_float8_all_gather": all_gather, "emulate": args.emulate}
+    overrides: dict = {
+        "enable_fsdp_float8_all_gather": default_all_gather(args),
+        "emulate": args.emulate,
+    }
     if args.scaling != "dynamic":
         if args.recipe != "tensorwise":
             raise SystemExit(
                 f"--scaling {args.scaling} with --recipe {args.recipe}: delayed and static "
                 "scaling are tensorwise only; use --recipe tensorwise or --scaling dynamic"
             )
-        overrides.update(_cast_overrides(args))
+        if args.scaling == "delayed":
+            casts = dict.fromkeys(DEFAULT_STATIC_SCALES, CastConfig(scaling_type="delayed"))
+            history = DelayedScalingConfig(history_len=args.delayed_history)
+            overrides["delayed_scaling_config"] = history
+        else:
+            scales = parse_static_scales(args.static_scales)
+            casts = {k: CastConfig(scaling_type="static", static_scale=s) for k, s in scales.items()}
+        overrides |= {f"cast_config_{op}": cast for op, cast in casts.items()}
     try:
         return Float8LinearConfig.from_recipe_name(args.recipe, **overrides)
     except ValueError as err:
         raise SystemExit(f"float8 config refused: {err}") from None
 
 
-def _cast_overrides(args: argparse.Namespace) -> dict:
-    if args.scaling == "delayed":
-        cast = CastConfig(scaling_type="delayed")
-        casts = {op: cast for op in DEFAULT_STATIC_SCALES}
-        extra = {"delayed_scaling_config": DelayedScalingConfig(history_len=args.delayed_history)}
-    else:
-        scales = parse_static_scales(args.static_scales)
-        casts = {op: CastConfig(scaling_type="static", static_scale=s) for op, s in scales.items()}
-        extra = {}
-    return {f"cast_config_{op}": cast for op, cast in casts.items()} | extra
-
-
 def parse_static_scales(text: str | None) -> dict[str, float]:
     """``"input=64,weight=2048"`` -> scales per operand, defaults for the rest. Raises
-    ``ValueError`` naming the item for a bad name or a value that is not a finite number
-    > 0."""
+    ``ValueError`` naming the item for a bad name or a value not a finite number > 0."""
     scales = dict(DEFAULT_STATIC_SCALES)
     example = "e.g. input=64,weight=2048,grad_output=1048576"
     for item in filter(None, (text or "").split(",")):
@@ -114,12 +125,10 @@ def expert_filter(skip_patterns: list[str]):
 
 def describe(a: argparse.Namespace) -> str:
     """One line naming the configuration, e.g. 'tensorwise/dynamic fp8-all-gather bf16'."""
-    if a.recipe == "off":
-        parts = ["off"]
-    else:
-        parts = [f"{a.recipe}/{a.scaling}"]
+    parts = ["off"]
+    if a.recipe != "off":
         all_gather = default_all_gather(a)
-        parts.append("fp8-all-gather" if all_gather else "hp-all-gather")
+        parts = [f"{a.recipe}/{a.scaling}", "fp8-all-gather" if all_gather else "hp-all-gather"]
         if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
             parts.append("precompute" if a.precompute else "no-precompute")
     parts.append(a.mixed_precision)
@@ -129,3 +138,97 @@ def describe(a: argparse.Namespace) -> str:
         parts.append(f"tp={a.tp}")
     parts += [flag for flag in ("activation_checkpointing", "compile") if getattr(a, flag)]
     return " ".join(parts)
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """One line per float8 flag this run would ignore or cannot read (empty: none)."""
+    if args.recipe == "off":
+        return [
+            f"{flag} has no effect with --recipe off (nothing is converted to float8); "
+            "drop it, or choose a float8 --recipe"
+            for attr, flag, is_set in _FLOAT8_ONLY
+            if is_set(getattr(args, attr))
+        ]
+    problems = []
+    if args.static_scales is not None:
+        if args.scaling != "static":
+            problems.append(
+                f"--static-scales {args.static_scales} is used only with --scaling static "
+                f"(this run: --scaling {args.scaling}); add --scaling static, or drop it"
+            )
+        try:
+            parse_static_scales(args.static_scales)
+        except ValueError as err:
+            problems.append(str(err))
+    if args.delayed_history is not None and args.scaling != "delayed":
+        problems.append(
+            f"--delayed-history {args.delayed_history} is used only with --scaling delayed "
+            f"(this run: --scaling {args.scaling}); add --scaling delayed, or drop it"
+        )
+    if not args.precompute and args.scaling != "dynamic":
+        problems.append(
+            f"--no-precompute applies to --scaling dynamic only (this run: --scaling "
+            f"{args.scaling}, whose sync needs the refresh hook); drop it"
+        )
+    return problems + _skip_problems(args)
+
+
+def _meta_model(args: argparse.Namespace) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(build_args(args))
+
+
+def _skip_problems(args: argparse.Namespace) -> list[str]:
+    """A ``--float8-skip`` glob that matches no layer the run would convert."""
+    if not args.float8_skip:
+        return []
+    names = [
+        fqn
+        for fqn, module in _meta_model(args).named_modules()
+        if fqn.startswith("blocks.") and isinstance(module, (nn.Linear, GroupedExperts))
+    ]
+    examples = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return [
+        f"--float8-skip {glob!r} matches none of the {len(names)} layers float8 could convert "
+        f"(e.g. {examples}); fix the glob (fnmatch, on the full name: 'blocks.0.*', "
+        "'*.feed_forward.w2'), or drop it"
+        for glob in args.float8_skip
+        if not any(fnmatch.fnmatchcase(name, glob) for name in names)
+    ]
+
+
+def block_all_gather_problem(
+    args: argparse.Namespace, config, shards: int, *, resuming: bool
+) -> str | None:
+    """With a block recipe and float8 all-gather, each converted weight's dim-0 shard must
+    be whole blocks on ``shards`` shards (the library refuses it at the first all-gather,
+    naming no layer). Decided before any process group, naming each layer and the flags
+    that run instead (None: every layer fits)."""
+    if config is None or not config.enable_fsdp_float8_all_gather or shards == 1:
+        return None
+    if not config.uses_block_scales():
+        return None
+    rows = config.cast(Operand.WEIGHT, Gemm.OUTPUT).block_shape[0]
+    accept = float8_filter(args.float8_skip)
+    layers = [
+        (fqn, m.out_features)
+        for fqn, m in _meta_model(args).named_modules()
+        if isinstance(m, nn.Linear) and accept(m, fqn)
+    ]
+    misfits = [(fqn, n) for fqn, n in layers if n % shards or (n // shards) % rows]
+    if not misfits:
+        return None
+    named = ", ".join(f"{fqn} ({n} rows)" for fqn, n in misfits[:6])
+    named += ", ..." if len(misfits) > 6 else ""
+    globs = sorted({"*." + fqn.split(".", 2)[-1] for fqn, _ in misfits})
+    skip = " ".join(f"--float8-skip '{g}'" for g in globs)
+    default = " (on by default for this recipe)" if args.fp8_all_gather is None else ""
+    resume = " --out holds checkpoints: add --allow-recipe-change to resume with either flag."
+    return (
+        f"--recipe {args.recipe} with float8 all-gather{default} on {shards} shards: each "
+        f"shard of a weight must hold whole {rows}-row blocks (out_features divisible by "
+        f"{shards * rows}), and {len(misfits)} of the {len(layers)} converted layers do not: "
+        f"{named}. Use --no-fp8-all-gather (weights gathered in high precision, cast after), "
+        f"or keep those layers in high precision with {skip}, or a world size on which they "
+        f"split into whole blocks (one shard takes any size).{resume if resuming else ''}"
+    )

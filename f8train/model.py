@@ -138,6 +138,14 @@ def model_args(preset: str, **overrides: object) -> ModelArgs:
     return dataclasses.replace(PRESETS[preset], **overrides)
 
 
+def build_args(flags) -> ModelArgs:
+    """The shape the trainer's flags ask for: ``--preset`` with ``--dim``, ``--n-layers``,
+    ... replaced and ``max_seq_len`` = ``--seq-len``."""
+    names = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of")
+    overrides = {k: getattr(flags, k) for k in names if getattr(flags, k) is not None}
+    return model_args(flags.preset, max_seq_len=flags.seq_len, **overrides)
+
+
 def param_count(args: ModelArgs, *, exclude_embedding: bool = True, active: bool = False) -> int:
     """Parameters of ``Transformer(args)`` from the shapes alone. ``exclude_embedding``
     leaves out the token embedding but counts the output head even when tied (its matmul

@@ -1,10 +1,10 @@
-"""Process group and device mesh of a launched rank (``f8train/train.py``,
-``f8train/bench_fsdp.py``).
+"""Process group and device mesh of a launched rank (``f8train/train.py``), and the
+object collectives with which its ranks agree.
 
-Mental model: ``init_distributed`` turns the environment into a ``Dist`` (rank, world,
-device, data-parallel mesh). Three ways in: torchrun's environment (env:// rendezvous), a
-restarted torchrun attempt (its own key prefix on the agent's store, see
-``_restarted_on_agent_store``), or a plain ``python -m`` start (one rank, in-memory store).
+``init_distributed`` turns the environment into a ``Dist`` (rank, world, device, meshes).
+Three ways in: torchrun's environment (env:// rendezvous), a restarted torchrun attempt
+(its own key prefix on the agent's store, see ``_restarted_on_agent_store``), or a plain
+``python -m`` start (one rank, in-memory store).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,29 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # long enough for a checkpoint save or a first compiled step on a slow rank, short enough
 # that a hung job ends well before torch's default 30 minutes (``--pg-timeout-s``)
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    world = rank_world()[1]
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_from_0(obj: Any) -> Any:
+    if rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @dataclass(frozen=True)
@@ -61,13 +85,8 @@ def init_distributed(
     device_type: str, hsdp_replicate: int, *, tp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Dist:
     """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
-
-    Under torchrun the rendezvous comes from the environment; started as a plain
-    ``python -m f8train.train`` it runs as a single rank with an in-memory store.
-    ``timeout_s`` bounds every collective: a rank waiting longer for its peers fails
-    (gloo raises, see ``timeout_message``; NCCL's watchdog aborts the process with its own
-    message) instead of hanging for torch's default 30 minutes.
-    """
+    ``timeout_s`` bounds every collective: a rank waiting longer for its peers fails (gloo
+    raises, NCCL's watchdog aborts) instead of hanging for torch's default 30 minutes."""
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"

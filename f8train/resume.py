@@ -1,32 +1,27 @@
 """Which checkpoint a run resumes from, chosen and checked before the model is built.
 
-Mental model: ``find_resume`` (a collective: every rank calls it and every rank reaches the
-same answer, see ``f8train/checkpoint_manifest.py``) picks a checkpoint, verifies its files
-against their manifest, then compares its settings with this run's
-(``f8train/resume_settings.py``). No folder that DCP could load is ever deleted:
+``find_resume`` is a collective: every rank reaches the same answer. It picks a checkpoint,
+verifies its files against their manifest, then compares the settings the checkpoint
+depends on (``checkpoint_settings``: model shape, float8 recipe and scaling, float8
+all-gather, skipped layers, data layout) with this run's. No folder DCP could load is deleted:
 
-- ``--resume CKPT``: exactly that checkpoint. If it is damaged the run stops, naming each
-  damaged file and what is wrong with it, and the newest intact checkpoint before it with
-  the flag that resumes from it (``--resume PREV``). Nothing is moved or deleted. A folder
-  without a manifest whose DCP files are all there (saved before manifests existed, or its
-  manifest lost) is accepted unverified; its settings are compared with the ``run.json``
-  of its run.
-- ``--resume`` or auto-resume (``--out`` holds checkpoints): the newest checkpoint whose
-  files match. A damaged newer one is renamed ``step_N.damaged`` (kept, never deleted; no
-  longer found as a checkpoint, so a restarted job does not trip on it again) and the run
-  falls back to the previous intact checkpoint, saying so on stderr. When no checkpoint
-  is intact the run stops and nothing is renamed. When the newest folder is *in doubt*
-  (DCP files, no manifest) the run stops, names it, and gives both ways on: resume from
-  it, or from the newest verified one.
-- Checkpoints newer than the one resumed from (``--resume`` of an older one) would be
-  overwritten by this run's saves: they are renamed ``step_N.set_aside`` and named.
-- Settings that differ stop the run with each flag and both values named; ``run.json`` and
-  the checkpoints of the old run are left as they are.
+- ``--resume CKPT``: exactly that one. Damaged: the run stops naming each damaged file and
+  the newest intact checkpoint before it. Without a manifest but with all DCP files: used
+  unverified, its settings read from its run's ``run.json``.
+- ``--resume`` or auto-resume: the newest intact checkpoint; a damaged newer one is renamed
+  ``step_N.damaged`` and the run falls back, saying so. None intact, or a newer folder in
+  doubt (DCP files, no manifest): the run stops, renaming nothing, and says how to go on.
+- Checkpoints newer than the one resumed from are renamed ``step_N.set_aside``.
+- Settings that differ stop the run naming each flag with both values. Flags that do not
+  shape the state (``--steps``, ``--lr``, the world size, ...) may change;
+  ``--allow-recipe-change`` waives ``--recipe``, ``--fp8-all-gather`` and ``--float8-skip``
+  (weights are stored in high precision) unless either run uses delayed scaling.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +29,127 @@ from typing import Any
 
 import torch.distributed as dist
 
-from f8train.checkpoint import SET_ASIDE, Checkpointer, aside_name, dcp_problem, step_of
-from f8train.checkpoint_manifest import MANIFEST, Problem, broadcast_from_0, verify
-from f8train.resume_settings import refusal, resume_conflicts, saved_settings_from_run_json
+from f8train.checkpoint import (
+    MANIFEST,
+    SET_ASIDE,
+    Checkpointer,
+    Problem,
+    aside_name,
+    dcp_problem,
+    step_of,
+    verify,
+)
+from f8train.float8_flags import default_all_gather, parse_static_scales
+from f8train.model import build_args
+from f8train.process_group import broadcast_from_0
+
+# setting -> the flag that sets it (model.* are the shape flags / the preset)
+_FLAGS = {
+    "recipe": "--recipe",
+    "scaling": "--scaling",
+    "fp8_all_gather": "--fp8-all-gather / --no-fp8-all-gather",
+    "delayed_history": "--delayed-history",
+    "static_scales": "--static-scales",
+    "float8_skip": "--float8-skip",
+    "seq_len": "--seq-len",
+    "global_batch": "--global-batch",
+    "seed": "--seed",
+}
+RECIPE_SETTINGS = frozenset({"recipe", "fp8_all_gather", "float8_skip"})
+_MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
+
+
+def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of this run that a checkpoint depends on (plain JSON values)."""
+    float8 = args.recipe != "off"
+    shape = build_args(args)
+    return {
+        "model": {k: getattr(shape, k) for k in _MODEL_FIELDS},
+        "recipe": args.recipe,
+        "scaling": args.scaling if float8 else None,
+        "fp8_all_gather": default_all_gather(args) if float8 else None,
+        "delayed_history": args.delayed_history if float8 and args.scaling == "delayed" else None,
+        "static_scales": parse_static_scales(args.static_scales)
+        if float8 and args.scaling == "static"
+        else None,
+        "float8_skip": sorted(args.float8_skip) if float8 else [],
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "seed": args.seed,
+    }
+
+
+def saved_settings_from_run_json(run_json: Path) -> dict[str, Any] | None:
+    """The settings of the run recorded in ``run_json`` (its flags over today's defaults),
+    for a checkpoint without a manifest; None when the file is missing or unreadable."""
+    from f8train.train_args import build_parser, resolve_defaults
+
+    try:
+        recorded = json.loads(Path(run_json).read_text())["args"]
+        flags = argparse.Namespace(**(vars(build_parser().parse_args([])) | dict(recorded)))
+        resolve_defaults(flags)
+        return checkpoint_settings(flags)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SystemExit):
+        return None
+
+
+def resume_conflicts(
+    saved: dict[str, Any], current: dict[str, Any], *, allow_recipe_change: bool
+) -> list[str]:
+    """One line per setting that differs: ``flag: checkpoint X, this run Y``."""
+
+    def flat(settings: dict[str, Any]) -> dict[str, Any]:
+        model = {f"model.{k}": v for k, v in settings.get("model", {}).items()}
+        return {k: v for k, v in settings.items() if k != "model"} | model
+
+    old, new = flat(saved), flat(current)
+    differ = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    scalings = {saved.get("scaling"), current.get("scaling")}
+    if allow_recipe_change and "delayed" not in scalings:
+        waived = set(RECIPE_SETTINGS)
+        if scalings <= {None, "dynamic"}:  # off <-> dynamic: no scaling state either side
+            waived.add("scaling")
+        differ = [k for k in differ if k not in waived]
+    return [
+        f"{_flag(k)}: checkpoint {_show(old.get(k))}, this run {_show(new.get(k))}" for k in differ
+    ]
+
+
+def _flag(key: str) -> str:
+    if key.startswith("model."):
+        name = key.removeprefix("model.").replace("_", "-")
+        return f"--{name} (or --preset)" if name != "vocab-size" else "vocab size (--preset)"
+    return _FLAGS.get(key, key)
+
+
+def _show(value: Any) -> str:
+    if value is None or value == []:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v:g}" for k, v in value.items())
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def refusal(path: str, conflicts: list[str], run_json: str, allow_recipe_change: bool) -> str:
+    """The message of a refused resume."""
+    lines = "\n".join(f"  {c}" for c in conflicts)
+    hint = ""
+    if not allow_recipe_change and any(
+        c.startswith(("--recipe", "--fp8", "--float8")) for c in conflicts
+    ):
+        hint = (
+            "\n--allow-recipe-change accepts another --recipe / --fp8-all-gather / "
+            "--float8-skip when neither run uses delayed scaling."
+        )
+    return (
+        f"cannot resume from {path}: it was saved with other settings than this run's:\n"
+        f"{lines}\nRerun with the checkpoint's flags (its run's are in {run_json}), or "
+        f"start a new run with another --out. Nothing was changed in the old run.{hint}"
+    )
 
 
 @dataclass(frozen=True)
@@ -94,27 +207,22 @@ def find_resume(
             flush=True,
         )
     step = int(found.manifest["step"])
-    moved = _set_aside(found.damaged, "damaged", found.path, ckpt.is_main) if found.damaged else []
-    newer = _newer_loadable(ckpt, step, found.path)
-    aside = _set_aside(newer, SET_ASIDE, found.path, ckpt.is_main) if newer else []
+    moved = _set_aside(found.damaged, "damaged", found.path, ckpt.is_main)
+    aside = _set_aside(_newer_loadable(ckpt, step, found.path), SET_ASIDE, found.path, ckpt.is_main)
     return ResumePoint(found.path, step, saved or {}, changed, moved, aside, found.unverified)
 
 
-def _newer_loadable(
-    ckpt: Checkpointer, step: int, chosen: Path
-) -> list[tuple[Path, list[Problem]]]:
-    """Folders under this run's checkpoints, newer than ``step``, that DCP could load: its
-    saves would land on them (rank 0 looks, every rank gets its list)."""
-    found = None
+def _newer_loadable(ckpt: Checkpointer, step: int, chosen: Path) -> list:
+    """Loadable folders newer than ``step``: this run's saves would land on them."""
+    newer = None
     if ckpt.is_main:
-        found = [
+        newer = [
             p
             for p in ckpt.step_dirs()
             if step_of(p) > step and p != chosen and (ckpt.is_complete(p) or not dcp_problem(p))
         ]
-    found = broadcast_from_0(found)
-    why = [Problem(p.name, f"newer than the checkpoint resumed from ({chosen})") for p in found]
-    return [(p, [w]) for p, w in zip(found, why)]
+    why = f"newer than the checkpoint resumed from ({chosen})"
+    return [(p, [Problem(p.name, why)]) for p in broadcast_from_0(newer)]
 
 
 def _run_json(path: Path) -> str:
@@ -123,6 +231,13 @@ def _run_json(path: Path) -> str:
 
 def _describe(problems: list[Problem]) -> str:
     return "\n".join(f"  {p}" for p in problems)
+
+
+def _newest_verified(candidates: list[Path]) -> Path | None:
+    for path in reversed(candidates):
+        if not verify(path)[1]:
+            return path
+    return None
 
 
 def _explicit(path: Path) -> _Candidate:
@@ -134,7 +249,7 @@ def _explicit(path: Path) -> _Candidate:
     manifest, problems = verify(path)
     if not problems:
         return _Candidate(path, manifest)
-    earlier = [p for p in Checkpointer(path.parent, keep=1, is_main=False).complete()]
+    earlier = Checkpointer(path.parent, keep=1, is_main=False).complete()
     previous = _newest_verified([p for p in earlier if step_of(p) < step_of(path)])
     if previous is None:
         after = (
@@ -151,47 +266,51 @@ def _explicit(path: Path) -> _Candidate:
     )
 
 
-def _newest_verified(candidates: list[Path]) -> Path | None:
-    for path in reversed(candidates):
-        if not verify(path)[1]:
-            return path
-    return None
-
-
 def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate | None:
     candidates = ckpt.complete()
-    newest = step_of(candidates[-1]) if candidates else -1
-    _stop_if_newest_in_doubt(ckpt, candidates[-1] if candidates else None)
-    _note_unfinished(ckpt, newest)
-    if not candidates:
+    newest = candidates[-1] if candidates else None
+    _stop_if_newest_in_doubt(ckpt, newest)
+    for path in ckpt.step_dirs():  # an interrupted save newer than all: said, not skipped
+        if (
+            ckpt.is_main
+            and step_of(path) > step_of(newest or "")
+            and (path / ".metadata").is_file()
+        ):
+            print(
+                f"note: {path} has DCP files but no {MANIFEST} and cannot be loaded "
+                f"({dcp_problem(path)}): an interrupted save, not resumed from",
+                file=sys.stderr,
+                flush=True,
+            )
+    if newest is None:
         if args.resume == "latest":
             raise SystemExit(f"--resume: no complete checkpoint under {ckpt.root}")
         return None
     if args.resume is None and not args.auto_resume:
         raise SystemExit(
-            f"--out {args.out} already holds checkpoints (latest {candidates[-1]}); pass "
+            f"--out {args.out} already holds checkpoints (latest {newest}); pass "
             "--resume to continue that run, or choose another --out"
         )
     damaged: list[tuple[Path, list[Problem]]] = []
     for path in reversed(candidates):
         manifest, problems = verify(path)
         if not problems:
-            break
+            return _Candidate(path, manifest, damaged)
         damaged.append((path, problems))
-    else:
-        found = "\n".join(f"{p}:\n{_describe(pr)}" for p, pr in damaged)
-        raise SystemExit(
-            f"no intact checkpoint under {ckpt.root} to resume from:\n{found}\nstart a new "
-            "run with another --out (nothing was moved or deleted)"
-        )
-    return _Candidate(path, manifest, damaged)
+    found = "\n".join(f"{p}:\n{_describe(pr)}" for p, pr in damaged)
+    raise SystemExit(
+        f"no intact checkpoint under {ckpt.root} to resume from:\n{found}\nstart a new "
+        "run with another --out (nothing was moved or deleted)"
+    )
 
 
 def _stop_if_newest_in_doubt(ckpt: Checkpointer, newest: Path | None) -> None:
     """A folder newer than every complete checkpoint that DCP could load, but without a
     manifest: neither skipped nor overwritten. The run stops and says how to go on."""
-    doubt = broadcast_from_0(ckpt.in_doubt() if ckpt.is_main else None)
-    doubt = [p for p in doubt if newest is None or step_of(p) > step_of(newest)]
+    doubt = None
+    if ckpt.is_main:
+        doubt = [p for p in ckpt.step_dirs() if not ckpt.is_complete(p) and not dcp_problem(p)]
+    doubt = [p for p in broadcast_from_0(doubt) if newest is None or step_of(p) > step_of(newest)]
     if not doubt:
         return
     names = "\n".join(f"  {p}" for p in doubt)
@@ -211,33 +330,22 @@ def _stop_if_newest_in_doubt(ckpt: Checkpointer, newest: Path | None) -> None:
     )
 
 
-def _note_unfinished(ckpt: Checkpointer, newest: int) -> None:
-    """Say so when a newer folder holds DCP files but no manifest: not silently skipped."""
-    for path in ckpt.step_dirs():
-        if ckpt.is_main and step_of(path) > newest and (path / ".metadata").is_file():
-            print(
-                f"note: {path} has DCP files but no {MANIFEST} and cannot be loaded "
-                f"({dcp_problem(path)}): an interrupted save, not resumed from",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
 def _set_aside(
     items: list[tuple[Path, list[Problem]]], suffix: str, good: Path, is_main: bool
 ) -> list[Path]:
     """Rename checkpoints out of the way (rank 0) and say so loudly; returns the new names."""
-    moved = [aside_name(path, suffix) for path, _ in items] if is_main else None
-    moved = broadcast_from_0(moved)  # one set of names, rank 0's
+    if not items:  # the same list on every rank
+        return []
+    moved = broadcast_from_0([aside_name(p, suffix) for p, _ in items] if is_main else None)
     if is_main:
+        damaged = suffix == "damaged"
         for (path, problems), new in zip(items, moved):
             path.rename(new)
-            what = "is damaged" if suffix == "damaged" else "is set aside"
             print(
-                f"WARNING: checkpoint {path} {what}:\n{_describe(problems)}\nrenamed it to "
-                f"{new} (kept; delete it when done) and resuming from "
-                + (f"the previous intact checkpoint {good}" if suffix == "damaged" else f"{good}")
-                + f" (step {step_of(good)}). To resume from another checkpoint instead, stop "
+                f"WARNING: checkpoint {path} {'is damaged' if damaged else 'is set aside'}:\n"
+                f"{_describe(problems)}\nrenamed it to {new} (kept; delete it when done) and "
+                f"resuming from {'the previous intact checkpoint ' if damaged else ''}{good} "
+                f"(step {step_of(good)}). To resume from another checkpoint instead, stop "
                 "now and pass --resume CKPT.",
                 file=sys.stderr,
                 flush=True,

@@ -20,19 +20,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8train.float8_flags import expert_filter, float8_filter
-from f8train.model import Transformer, model_args
+from f8train.model import Transformer, build_args
 from f8train.process_group import Dist
 from f8train.tp_plan import apply_tensor_parallel
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training, enable_float8_reduce_scatter
-
-
-def build_args(args: argparse.Namespace):
-    overrides = {
-        k: getattr(args, k)
-        for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of")
-        if getattr(args, k) is not None
-    }
-    return model_args(args.preset, max_seq_len=args.seq_len, **overrides)
 
 
 def build_model(

@@ -47,7 +47,6 @@ from f8train.checkpoint import (
     RNGState,
     SchedulerState,
 )
-from f8train.checkpoint_manifest import broadcast_from_0
 from f8train.data import (
     TokenBatcher,
     TokenData,
@@ -55,17 +54,19 @@ from f8train.data import (
     check_token_ids,
     load_tokens,
 )
-from f8train.flag_checks import block_all_gather_problem
-from f8train.float8_flags import describe, float8_config
-from f8train.model import flops_per_token, num_params
+from f8train.float8_flags import block_all_gather_problem, describe, float8_config
+from f8train.model import build_args, flops_per_token, num_params
 from f8train.moe import moe_aux_loss, moe_fields
-from f8train.process_group import Dist, collective_failure_message, init_distributed
+from f8train.process_group import (
+    Dist,
+    broadcast_from_0,
+    collective_failure_message,
+    init_distributed,
+)
 from f8train.rank_exit import enable_crash_traces, exit_rank
-from f8train.resume import ResumePoint, find_resume
-from f8train.resume_settings import checkpoint_settings
+from f8train.resume import ResumePoint, checkpoint_settings, find_resume
 from f8train.run_control import GracefulStop, acquire_lock, maybe_crash, maybe_hang, release_lock
 from f8train.sharded_model import (
-    build_args,
     build_model,
     build_optimizer,
     build_scheduler,

@@ -2,11 +2,10 @@
 
 Defaults are the ``make train`` run: 2 CPU ranks, the tiny preset, float8 tensorwise with
 float8 all-gather and precomputed scales, bf16 mixed precision, a few minutes on a CPU.
-
-Every numeric flag is parsed by a type function that states its range, so a bad value
-stops at once with argparse's ``argument --warmup: expected an integer >= 0, got '-5'``;
-``--out`` is checked for being a writable folder (or creatable in one) at the same time,
-before any process group or model exists.
+Every flag is refused at argument time, before any process group or model exists, when its
+value is out of range (each numeric type states its range: ``argument --warmup: expected an
+integer >= 0, got '-5'``), when it would do nothing in this run (``flag_problems``), when
+``--tp`` cannot run with the rest, or when ``--out`` is not a folder that can be written.
 """
 
 from __future__ import annotations
@@ -20,15 +19,14 @@ from pathlib import Path
 import torch
 
 from f8train.data import default_cache_dir
-from f8train.flag_checks import flag_problems
-from f8train.float8_flags import RECIPES, SCALINGS
+from f8train.float8_flags import RECIPES, SCALINGS, flag_problems
 from f8train.model import PRESETS
 from f8train.process_group import DEFAULT_TIMEOUT_S
 
 
 def number(kind: type, low: float, *, above: bool = False, high: float | None = None) -> Callable:
-    """An argparse type: ``kind`` (int or float) ``>= low`` (``> low`` with ``above``),
-    ``<= high`` when given; finite. Its error message names the expected range."""
+    """An argparse type: a finite ``kind`` (int or float) ``>= low`` (``> low`` with
+    ``above``), ``<= high`` when given; its error message names the expected range."""
     word = "an integer" if kind is int else "a number"
     bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
 
@@ -46,200 +44,6 @@ def number(kind: type, low: float, *, above: bool = False, high: float | None = 
     return parse
 
 
-DEFAULT_DELAYED_HISTORY = 16
-POS_INT = number(int, 1)
-NONNEG_INT = number(int, 0)
-POS_FLOAT = number(float, 0, above=True)
-NONNEG_FLOAT = number(float, 0)
-RATIO = number(float, 0, high=1)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="torchrun --standalone --nproc_per_node N -m f8train.train",
-        description="Float8 pretraining under FSDP2 (see the module docstring).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _model_args(parser.add_argument_group("model"))
-    _float8_args(parser.add_argument_group("float8"))
-    _parallel_args(parser.add_argument_group("parallelism and precision"))
-    _optim_args(parser.add_argument_group("optimization"))
-    _run_args(parser.add_argument_group("run, logging, checkpoints"))
-    _data_args(parser.add_argument_group("data"))
-    return parser
-
-
-def _model_args(g) -> None:
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    g.add_argument("--dim", type=POS_INT, default=None, help="override the preset's model dim")
-    g.add_argument("--n-layers", type=POS_INT, default=None)
-    g.add_argument("--n-heads", type=POS_INT, default=None)
-    g.add_argument("--n-kv-heads", type=POS_INT, default=None)
-    g.add_argument(
-        "--multiple-of", type=POS_INT, default=None, help="round the MLP hidden dim up to this"
-    )
-
-
-def _float8_args(g) -> None:
-    g.add_argument(
-        "--recipe", default="tensorwise", choices=RECIPES, help="off: high-precision baseline"
-    )
-    g.add_argument(
-        "--scaling", default="dynamic", choices=SCALINGS, help="delayed/static: tensorwise only"
-    )
-    g.add_argument(
-        "--fp8-all-gather",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="FSDP2 all-gathers converted weights in float8 (default: on for tensorwise and "
-        "mxfp8, off for the rowwise recipes and blockwise unless asked for)",
-    )
-    g.add_argument(
-        "--precompute",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep the float8 refresh hook: one collective per step for the float8 "
-        "all-gather's weight scales (--no-precompute removes it for dynamic scaling: each "
-        "weight all-reduces its own amax)",
-    )
-    g.add_argument(
-        "--delayed-history",
-        type=POS_INT,
-        default=None,
-        help=f"amax history length (--scaling delayed; default {DEFAULT_DELAYED_HISTORY})",
-    )
-    g.add_argument(
-        "--static-scales",
-        default=None,
-        help="static scales, e.g. input=64,weight=2048,grad_output=1048576 (the defaults)",
-    )
-    g.add_argument(
-        "--float8-skip",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="keep block linears matching this fqn glob in high precision (repeatable), "
-        "e.g. 'blocks.0.*'",
-    )
-    g.add_argument(
-        "--emulate", action="store_true", help="emulated float8 GEMMs (GPUs without float8)"
-    )
-    g.add_argument(
-        "--float8-reduce-scatter",
-        action="store_true",
-        help="reduce-scatter gradients in block-scaled float8 (one uint8 all-to-all)",
-    )
-    g.add_argument(
-        "--numerics-every",
-        type=NONNEG_INT,
-        default=0,
-        metavar="N",
-        help="sample per-layer float8 numerics (amax, scale, saturation, underflow) every N "
-        "steps into OUT/numerics.jsonl (0: off); plot with f8train.plot_numerics",
-    )
-
-
-def _parallel_args(g) -> None:
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    g.add_argument("--device", default=default_device, choices=["cpu", "cuda"])
-    g.add_argument(
-        "--hsdp-replicate",
-        type=POS_INT,
-        default=1,
-        help="HSDP: a 2-D mesh of N replicas x (world / N) shards",
-    )
-    g.add_argument(
-        "--tp",
-        type=POS_INT,
-        default=1,
-        help="tensor parallel size: a (data parallel, N) mesh, the Llama TP plan of "
-        "f8train/tp_plan.py (sequence parallel) over the N ranks, FSDP2 over the rest",
-    )
-    g.add_argument("--mixed-precision", default="bf16", choices=["bf16", "none"])
-    g.add_argument("--activation-checkpointing", action="store_true")
-    g.add_argument("--compile", action="store_true", help="torch.compile each block")
-
-
-def _optim_args(g) -> None:
-    g.add_argument("--steps", type=POS_INT, default=100)
-    g.add_argument("--global-batch", type=POS_INT, default=16, help="sequences per step")
-    g.add_argument("--seq-len", type=POS_INT, default=128)
-    g.add_argument("--lr", type=POS_FLOAT, default=3e-3, help="peak learning rate")
-    g.add_argument(
-        "--warmup", type=NONNEG_INT, default=None, help="linear warmup steps (default: steps // 10)"
-    )
-    g.add_argument(
-        "--min-lr-ratio", type=RATIO, default=0.1, help="cosine decays to lr * this at the end"
-    )
-    g.add_argument("--weight-decay", type=NONNEG_FLOAT, default=0.1)
-    g.add_argument(
-        "--grad-clip", type=NONNEG_FLOAT, default=1.0, help="max grad norm; 0: no clipping"
-    )
-    g.add_argument("--seed", type=NONNEG_INT, default=0)
-
-
-def _run_args(g) -> None:
-    g.add_argument("--out", default="runs/train", help="metrics, summary and checkpoints")
-    g.add_argument("--log-every", type=POS_INT, default=10, help="progress line (non-terminal)")
-    g.add_argument("--val-every", type=NONNEG_INT, default=25, help="0: no validation")
-    g.add_argument("--val-batches", type=POS_INT, default=4)
-    g.add_argument(
-        "--comm-every",
-        type=NONNEG_INT,
-        default=None,
-        help="count collectives every N steps (default: 1 on CPU, 10 on CUDA, 0 with "
-        "--compile: the counter is a TorchDispatchMode, under which compiled blocks run "
-        "eagerly); 0: never",
-    )
-    g.add_argument("--peak-tflops", type=POS_FLOAT, default=None, help="per-device peak for MFU")
-    g.add_argument("--ckpt-every", type=NONNEG_INT, default=50, help="0: only at the end")
-    g.add_argument("--keep-ckpts", type=POS_INT, default=2, help="newest checkpoints kept")
-    g.add_argument(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="CKPT",
-        help="resume from CKPT, or from the latest checkpoint in --out",
-    )
-    g.add_argument(
-        "--allow-recipe-change",
-        action="store_true",
-        help="resume a checkpoint saved with another --recipe / --fp8-all-gather / "
-        "--float8-skip (not with delayed scaling on either side); other changes to the "
-        "settings a checkpoint depends on are refused",
-    )
-    g.add_argument(
-        "--pg-timeout-s",
-        type=POS_FLOAT,
-        default=DEFAULT_TIMEOUT_S,
-        help="a collective waiting longer than this for its peers ends the run with a message",
-    )
-    g.add_argument(
-        "--auto-resume",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="continue from the latest checkpoint in --out when there is one",
-    )
-    g.add_argument("--stop-at-step", type=POS_INT, default=None, help="save and exit after step K")
-    # test hooks, hidden from --help
-    g.add_argument("--crash-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--nan-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--hang-at-step", type=POS_INT, default=None, help=argparse.SUPPRESS)
-
-
-def _data_args(g) -> None:
-    g.add_argument(
-        "--data",
-        default=None,
-        help="text file, folder of text files, or .u16.bin/.u32.bin token file "
-        "(default: the Python stdlib sources)",
-    )
-    g.add_argument("--cache-dir", default=None, help=f"default {default_cache_dir()}")
-    g.add_argument("--token-dtype", default=None, choices=["uint16", "uint32"])
-    g.add_argument("--val-fraction", type=_fraction, default=0.01, help="in (0, 1)")
-
-
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -250,12 +54,108 @@ def _fraction(text: str) -> float:
     return value
 
 
+DEFAULT_DELAYED_HISTORY = 16
+POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
+POS_FLOAT, NONNEG_FLOAT = number(float, 0, above=True), number(float, 0)
+FLAG, BOOL, HIDDEN = "store_true", argparse.BooleanOptionalAction, argparse.SUPPRESS
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# group -> rows of (flag, type / action / choices, default, help[, metavar]); docs/trainer.md
+# tells what each does
+_FLAGS: dict[str, list[tuple]] = {
+    "model": [
+        ("--preset", tuple(sorted(PRESETS)), "tiny", None),
+        ("--dim", POS_INT, None, "override the preset's model dim"),
+        ("--n-layers", POS_INT, None, None),
+        ("--n-heads", POS_INT, None, None),
+        ("--n-kv-heads", POS_INT, None, None),
+        ("--multiple-of", POS_INT, None, "round the MLP hidden dim up to this"),
+    ],
+    "float8": [
+        ("--recipe", RECIPES, "tensorwise", "off: high-precision baseline"),
+        ("--scaling", SCALINGS, "dynamic", "delayed/static: tensorwise only"),
+        ("--fp8-all-gather", BOOL, None, "float8 all-gather (default: tensorwise, mxfp8)"),
+        ("--precompute", BOOL, True, "one scale collective per step (else one per weight)"),
+        ("--delayed-history", POS_INT, None, f"amax history (default {DEFAULT_DELAYED_HISTORY})"),
+        ("--static-scales", None, None, "e.g. input=64,weight=2048,grad_output=1048576"),
+        ("--float8-skip", "append", [], "fqn glob kept in high precision (repeatable)", "GLOB"),
+        ("--emulate", FLAG, False, "emulated float8 GEMMs (GPUs without float8)"),
+        ("--float8-reduce-scatter", FLAG, False, "reduce-scatter gradients in float8"),
+        ("--numerics-every", NONNEG_INT, 0, "sample float8 numerics every N steps", "N"),
+    ],
+    "parallelism and precision": [
+        ("--device", ("cpu", "cuda"), DEVICE, None),
+        ("--hsdp-replicate", POS_INT, 1, "HSDP: N replicas x (world / N) shards"),
+        ("--tp", POS_INT, 1, "tensor parallel size (f8train/tp_plan.py), FSDP2 over the rest"),
+        ("--mixed-precision", ("bf16", "none"), "bf16", None),
+        ("--activation-checkpointing", FLAG, False, None),
+        ("--compile", FLAG, False, "torch.compile each block"),
+    ],
+    "optimization": [
+        ("--steps", POS_INT, 100, None),
+        ("--global-batch", POS_INT, 16, "sequences per step"),
+        ("--seq-len", POS_INT, 128, None),
+        ("--lr", POS_FLOAT, 3e-3, "peak learning rate"),
+        ("--warmup", NONNEG_INT, None, "linear warmup steps (default: steps // 10)"),
+        ("--min-lr-ratio", number(float, 0, high=1), 0.1, "cosine decays to lr * this"),
+        ("--weight-decay", NONNEG_FLOAT, 0.1, None),
+        ("--grad-clip", NONNEG_FLOAT, 1.0, "max grad norm; 0: no clipping"),
+        ("--seed", NONNEG_INT, 0, None),
+    ],
+    "run, logging, checkpoints": [
+        ("--out", None, "runs/train", "metrics, summary and checkpoints"),
+        ("--log-every", POS_INT, 10, "progress line (non-terminal)"),
+        ("--val-every", NONNEG_INT, 25, "0: no validation"),
+        ("--val-batches", POS_INT, 4, None),
+        ("--comm-every", NONNEG_INT, None, "count collectives (default: 1, 10 on CUDA)"),
+        ("--peak-tflops", POS_FLOAT, None, "per-device peak for MFU"),
+        ("--ckpt-every", NONNEG_INT, 50, "0: only at the end"),
+        ("--keep-ckpts", POS_INT, 2, "newest checkpoints kept"),
+        ("--resume", "?", None, "CKPT, or the latest checkpoint in --out", "CKPT"),
+        ("--allow-recipe-change", FLAG, False, "resume with another --recipe (not delayed)"),
+        ("--pg-timeout-s", POS_FLOAT, DEFAULT_TIMEOUT_S, "end a collective waiting this long"),
+        ("--auto-resume", BOOL, True, "continue from the latest checkpoint in --out"),
+        ("--stop-at-step", POS_INT, None, "save and exit after step K"),
+        ("--crash-at-step", POS_INT, None, HIDDEN),  # test hooks
+        ("--nan-at-step", POS_INT, None, HIDDEN),
+        ("--hang-at-step", POS_INT, None, HIDDEN),
+    ],
+    "data": [
+        ("--data", None, None, "text file, folder, or .u16.bin/.u32.bin (default: stdlib)"),
+        ("--cache-dir", None, None, f"default {default_cache_dir()}"),
+        ("--token-dtype", ("uint16", "uint32"), None, None),
+        ("--val-fraction", _fraction, 0.01, "in (0, 1)"),
+    ],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrun --standalone --nproc_per_node N -m f8train.train",
+        description="Float8 pretraining under FSDP2 (see the module docstring).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for title, rows in _FLAGS.items():
+        group = parser.add_argument_group(title)
+        for flag, kind, default, text, *metavar in rows:
+            kw = {"default": default, "help": text} | ({"metavar": metavar[0]} if metavar else {})
+            if isinstance(kind, tuple):
+                kw["choices"] = kind
+            elif kind == "?":
+                kw.update(nargs="?", const="latest")
+            elif isinstance(kind, str) or kind is BOOL:
+                kw["action"] = kind
+            elif kind is not None:
+                kw["type"] = kind
+            group.add_argument(flag, **kw)
+    return parser
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
-    problems = flag_problems(args)
+    problems = flag_problems(args) + _run_problems(args)
     if problems:
         parser.error("\n".join(problems))
     resolve_defaults(args)
@@ -269,10 +169,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
-    """Defaults that are None at parse time so that a flag given in vain can be told from
-    one not given (``f8train/flag_checks.py``)."""
+    """Defaults that are None at parse time, so that a flag given in vain can be told from
+    one not given."""
     if args.delayed_history is None:
         args.delayed_history = DEFAULT_DELAYED_HISTORY
+
+
+def _run_problems(args: argparse.Namespace) -> list[str]:
+    """Run and data flags that the rest of the command makes idle."""
+    problems = []
+    if args.token_dtype is not None and (args.data is None or Path(args.data).is_dir()):
+        what = "the stdlib corpus" if args.data is None else f"the folder {args.data}"
+        problems.append(
+            f"--token-dtype {args.token_dtype} applies to a token file, but --data is {what} "
+            "(byte-level text); drop --token-dtype, or pass the token file as --data"
+        )
+    if args.cache_dir is not None and args.data is not None and not Path(args.data).is_dir():
+        problems.append(
+            f"--cache-dir {args.cache_dir} holds the token cache of a folder or of the stdlib "
+            f"corpus, but --data {args.data} is one file, read in place; drop --cache-dir"
+        )
+    if args.stop_at_step is not None and args.stop_at_step >= args.steps:
+        problems.append(
+            f"--stop-at-step {args.stop_at_step} is not before --steps {args.steps}, so the "
+            "run ends first; use a step below --steps, or drop it"
+        )
+    return problems
 
 
 def tp_problem(args: argparse.Namespace) -> str | None:

@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from f8train.checkpoint import Checkpointer, ModelOptimizerState
-from f8train.checkpoint_manifest import MANIFEST
+from f8train.checkpoint import MANIFEST, Checkpointer, ModelOptimizerState
 from f8train.resume import find_resume
 from tests.distributed.launcher import cpu_mesh, run_distributed
 

@@ -35,10 +35,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import f8train.checkpoint as checkpoint_module
-from f8train.checkpoint import Checkpointer, ModelOptimizerState, dcp_problem
-from f8train.checkpoint_manifest import MANIFEST
-from f8train.resume import find_resume
-from f8train.resume_settings import saved_settings_from_run_json
+from f8train.checkpoint import MANIFEST, Checkpointer, ModelOptimizerState, dcp_problem
+from f8train.resume import find_resume, saved_settings_from_run_json
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
 

@@ -1,6 +1,6 @@
 """Flags a run would ignore are refused at argument time, naming the flag, why it does
-nothing, and the remedy (``f8train/flag_checks.py``); so is a binary token file that would
-train as text."""
+nothing, and the remedy (``f8train/float8_flags.py``, ``f8train/train_args.py``); so is a
+binary token file that would train as text."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from f8train.process_group import collective_failure_message
-from f8train.resume_settings import checkpoint_settings, refusal, resume_conflicts
+from f8train.resume import checkpoint_settings, refusal, resume_conflicts
 from f8train.train import load_data
 from f8train.train_args import parse_args
 

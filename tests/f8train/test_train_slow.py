@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from f8train.checkpoint_manifest import MANIFEST
+from f8train.checkpoint import MANIFEST
 from tests.f8train.launch import REPO, TINY, metrics, output_of, torchrun_command, train
 
 pytestmark = pytest.mark.slow

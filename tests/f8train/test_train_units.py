@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from f8train import compare
-from f8train.checkpoint import Checkpointer
-from f8train.checkpoint_manifest import MANIFEST
+from f8train.checkpoint import MANIFEST, Checkpointer
 from f8train.float8_flags import float8_config, parse_static_scales
 from f8train.sharded_model import WarmupCosine
 from f8train.train import describe
