@@ -70,7 +70,7 @@ def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
             overrides["delayed_scaling_config"] = history
         else:
             scales = parse_static_scales(args.static_scales)
-            casts = {k: CastConfig(scaling_type="static", static_scale=s) for k, s in scales.items()}
+            casts = {k: CastConfig("static", static_scale=s) for k, s in scales.items()}
         overrides |= {f"cast_config_{op}": cast for op, cast in casts.items()}
     try:
         return Float8LinearConfig.from_recipe_name(args.recipe, **overrides)
