@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from f8train.process_group import all_gather_object, broadcast_from_0, rank_world
 from f8train.train_log import fmt_bytes
@@ -45,6 +46,10 @@ FORMAT = 1
 SET_ASIDE = "set_aside"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _SPACE_MARGIN = 1.10  # beyond the estimated size of a checkpoint (metadata, the manifest)
+
+
+def warn(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def step_of(path: Path) -> int:
@@ -335,11 +340,9 @@ class Checkpointer:
         if self.is_complete(path) or dcp_problem(path) is None:
             new = aside_name(path, SET_ASIDE)
             path.rename(new)
-            print(
+            warn(
                 f"WARNING: {path} was in the way of this save and may load; renamed it to "
-                f"{new} (kept; delete it when done)",
-                file=sys.stderr,
-                flush=True,
+                f"{new} (kept; delete it when done)"
             )
         else:
             shutil.rmtree(path)
@@ -371,18 +374,9 @@ class Checkpointer:
 
 def _tensor_bytes(state: dict[str, Stateful]) -> int:
     """Bytes of this rank's tensors in the state (a DTensor's local shard)."""
-    total = 0
-    stack: list[Any] = [s.state_dict() for s in state.values()]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, torch.Tensor):
-            local = item.to_local() if isinstance(item, DTensor) else item
-            total += local.numel() * local.element_size()
-    return total
+    leaves = tree_leaves([s.state_dict() for s in state.values()])
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in leaves]
+    return sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
 
 
 def _first_lines(err: BaseException, n: int = 6) -> str:

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 BYTE_VOCAB_SIZE = 256
-_SUFFIX_DTYPES = {".u16.bin": np.uint16, ".u32.bin": np.uint32}
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -88,20 +87,18 @@ def _byte_cache(root: Path, files: list[Path], cache_dir: Path, prefix: str) -> 
 
 
 def _token_file_dtype(path: Path, token_dtype: str | np.dtype | None) -> np.dtype:
-    if token_dtype is not None:
-        dtype = np.dtype(token_dtype)
-        if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
-            raise ValueError(
-                f"token_dtype={token_dtype!r}; expected uint16 or uint32 for a .bin token file"
-            )
-        return dtype
-    for suffix, dtype in _SUFFIX_DTYPES.items():
-        if path.name.endswith(suffix):
-            return np.dtype(dtype)
-    raise ValueError(
-        f"cannot tell the token dtype of {path}; expected a name ending in .u16.bin or "
-        ".u32.bin, or pass token_dtype='uint16' / 'uint32'"
-    )
+    suffixes = {".u16.bin": "uint16", ".u32.bin": "uint32"}
+    name = token_dtype or next((d for k, d in suffixes.items() if path.name.endswith(k)), None)
+    if name is None:
+        raise ValueError(
+            f"cannot tell the token dtype of {path}; expected a name ending in .u16.bin or "
+            ".u32.bin, or pass token_dtype='uint16' / 'uint32'"
+        )
+    if np.dtype(name) not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+        raise ValueError(
+            f"token_dtype={token_dtype!r}; expected uint16 or uint32 for a .bin token file"
+        )
+    return np.dtype(name)
 
 
 def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:

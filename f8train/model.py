@@ -84,6 +84,10 @@ _TINY = dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024)
 _LLAMA3 = dict(
     n_kv_heads=8, vocab_size=128256, ffn_dim_multiplier=1.3, rope_theta=500000.0, max_seq_len=8192
 )
+_GPU_MOE = dict(dim=2048, max_seq_len=4096)
+_DEEPSEEK = dict(
+    n_experts=64, top_k=6, hidden_dim=1408, score_fn="sigmoid", shared_expert_hidden_dim=2816
+)
 PRESETS: dict[str, ModelArgs] = {
     # ~3.3M parameters, byte-level; every linear dim is a multiple of 16 (float8 GEMMs)
     "tiny": ModelArgs(**_TINY),
@@ -97,28 +101,16 @@ PRESETS: dict[str, ModelArgs] = {
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, multiple_of=4096, **_LLAMA3),
     # DeepSeek-V3-like on one node: sigmoid router, 64 fine experts top-6, a shared expert
     "deepseek_v3_like": ModelArgs(
-        dim=2048,
-        n_layers=16,
-        n_heads=16,
-        vocab_size=129280,
-        max_seq_len=4096,
-        moe=MoEArgs(
-            n_experts=64,
-            top_k=6,
-            hidden_dim=1408,
-            score_fn="sigmoid",
-            shared_expert_hidden_dim=2816,
-        ),
+        **_GPU_MOE, n_layers=16, n_heads=16, vocab_size=129280, moe=MoEArgs(**_DEEPSEEK)
     ),
     # Qwen3-30B-A3B's shape: 128 experts top-8, expert hidden 768, softmax router, GQA
     "qwen3_moe_like": ModelArgs(
-        dim=2048,
+        **_GPU_MOE,
         n_layers=48,
         n_heads=32,
         n_kv_heads=4,
         vocab_size=151936,
-        rope_theta=1000000.0,
-        max_seq_len=4096,
+        rope_theta=1e6,
         moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
     ),
 }

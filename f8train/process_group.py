@@ -50,11 +50,11 @@ def broadcast_from_0(obj: Any) -> Any:
 class Dist:
     """Where this process sits: rank, world size, device, the data-parallel mesh (what
     ``fully_shard`` shards over) and, with ``--tp N > 1``, the tensor-parallel mesh (the
-    innermost dim of one mesh, so the N ranks of a TP group are consecutive)."""
+    innermost dim of one mesh: the N ranks of a TP group are consecutive and read the same
+    batch, so the data is split over ``dp_rank`` of ``dp_size``)."""
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
@@ -69,7 +69,6 @@ class Dist:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: the ranks of a TP group read the same batch."""
         return self.rank // self.tp
 
     @property
@@ -87,54 +86,39 @@ def init_distributed(
     """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
     ``timeout_s`` bounds every collective: a rank waiting longer for its peers fails (gloo
     raises, NCCL's watchdog aborts) instead of hanging for torch's default 30 minutes."""
-    if device_type == "cuda" and not torch.cuda.is_available():
+    cuda = device_type == "cuda"
+    if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False; use --device cpu")
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
+    if cuda:
         torch.cuda.set_device(device)
-    device_id = device if device_type == "cuda" else None
-    timeout = timedelta(seconds=timeout_s)
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=timeout_s)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if "RANK" not in os.environ:
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-    elif _restarted_on_agent_store():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.PrefixStore(f"f8train.train/attempt_{_restart_count()}", _agent_store(world))
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, device_id=device_id, timeout=timeout
-        )
-    else:
-        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
-    world = dist.get_world_size()
-    mesh, tp_mesh = _meshes(device_type, world, hsdp_replicate, tp)
-    return Dist(dist.get_rank(), world, local_rank, device, mesh, tp_mesh)
-
-
-def _restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _restarted_on_agent_store() -> bool:
+        store, rank, world = dist.HashStore(), 0, 1
     # torch 2.13: torchrun's workers share the agent's TCPStore with no per-attempt key
     # prefix, so after a restart gloo reads the previous attempt's peer addresses and fails
-    # with "Connection refused" (pytorch/pytorch#135712 is the NCCL face of it). Give each
-    # attempt its own prefix. TORCHELASTIC_RESTART_COUNT is consistent among the workers of
-    # one agent; multi-node restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # with "Connection refused" (pytorch/pytorch#135712 is the NCCL face of it): each attempt
+    # gets its own prefix. Multi-node restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     # (a fresh store per round), which also turns this path off.
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _restart_count() > 0
-
-
-def _agent_store(world: int) -> dist.Store:
-    return dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=False,
-        timeout=timedelta(minutes=10),
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts > 0:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(minutes=10),
+        )
+        store = dist.PrefixStore(f"f8train.train/attempt_{restarts}", agent)
+    else:
+        store, rank, world = None, -1, -1  # env:// rendezvous
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, device_id=device, timeout=timeout
     )
+    world = dist.get_world_size()
+    mesh, tp_mesh = _meshes(device_type, world, hsdp_replicate, tp)
+    return Dist(dist.get_rank(), world, device or torch.device("cpu"), mesh, tp_mesh)
 
 
 def _meshes(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,23 +37,12 @@ from f8train.checkpoint import (
     dcp_problem,
     step_of,
     verify,
+    warn,
 )
 from f8train.float8_flags import default_all_gather, parse_static_scales
 from f8train.model import build_args
 from f8train.process_group import broadcast_from_0
 
-# setting -> the flag that sets it (model.* are the shape flags / the preset)
-_FLAGS = {
-    "recipe": "--recipe",
-    "scaling": "--scaling",
-    "fp8_all_gather": "--fp8-all-gather / --no-fp8-all-gather",
-    "delayed_history": "--delayed-history",
-    "static_scales": "--static-scales",
-    "float8_skip": "--float8-skip",
-    "seq_len": "--seq-len",
-    "global_batch": "--global-batch",
-    "seed": "--seed",
-}
 RECIPE_SETTINGS = frozenset({"recipe", "fp8_all_gather", "float8_skip"})
 _MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
 
@@ -116,10 +104,13 @@ def resume_conflicts(
 
 
 def _flag(key: str) -> str:
-    if key.startswith("model."):
-        name = key.removeprefix("model.").replace("_", "-")
-        return f"--{name} (or --preset)" if name != "vocab-size" else "vocab size (--preset)"
-    return _FLAGS.get(key, key)
+    """The flag that sets a setting (``model.*``: the shape flags or the preset)."""
+    name = "--" + key.removeprefix("model.").replace("_", "-")
+    if key == "model.vocab_size":
+        return "vocab size (--preset)"
+    if key == "fp8_all_gather":
+        return "--fp8-all-gather / --no-fp8-all-gather"
+    return f"{name} (or --preset)" if key.startswith("model.") else name
 
 
 def _show(value: Any) -> str:
@@ -200,11 +191,9 @@ def find_resume(
             if saved is None
             else f"compared with {_run_json(found.path)}"
         )
-        print(
+        warn(
             f"WARNING: resuming from {found.path}, which has no {MANIFEST}: its files are not "
-            f"verified against checksums; settings {how}",
-            file=sys.stderr,
-            flush=True,
+            f"verified against checksums; settings {how}"
         )
     step = int(found.manifest["step"])
     moved = _set_aside(found.damaged, "damaged", found.path, ckpt.is_main)
@@ -276,11 +265,9 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
             and step_of(path) > step_of(newest or "")
             and (path / ".metadata").is_file()
         ):
-            print(
+            warn(
                 f"note: {path} has DCP files but no {MANIFEST} and cannot be loaded "
-                f"({dcp_problem(path)}): an interrupted save, not resumed from",
-                file=sys.stderr,
-                flush=True,
+                f"({dcp_problem(path)}): an interrupted save, not resumed from"
             )
     if newest is None:
         if args.resume == "latest":
@@ -341,14 +328,12 @@ def _set_aside(
         damaged = suffix == "damaged"
         for (path, problems), new in zip(items, moved):
             path.rename(new)
-            print(
+            warn(
                 f"WARNING: checkpoint {path} {'is damaged' if damaged else 'is set aside'}:\n"
                 f"{_describe(problems)}\nrenamed it to {new} (kept; delete it when done) and "
                 f"resuming from {'the previous intact checkpoint ' if damaged else ''}{good} "
                 f"(step {step_of(good)}). To resume from another checkpoint instead, stop "
-                "now and pass --resume CKPT.",
-                file=sys.stderr,
-                flush=True,
+                "now and pass --resume CKPT."
             )
     if dist.is_initialized():
         dist.barrier()  # renamed before any rank lists checkpoints again

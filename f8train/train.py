@@ -1,37 +1,27 @@
 """Float8 pretraining of the Llama-style workload model under FSDP2.
 
-Run from the repository root:
-
     torchrun --standalone --nproc_per_node 2 -m f8train.train        # = make train (CPU, tiny)
     torchrun --standalone --nproc_per_node 2 -m f8train.train --recipe off   # bf16 baseline
     torchrun --standalone --nproc_per_node 8 -m f8train.train --device cuda --preset small
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m f8train.train --device cuda --hsdp-replicate 2 ...          # multi-node HSDP
 
-Mental model of one step: fetch this rank's rows of the global batch -> forward/backward
-(before it, the float8 refresh hook precomputes the all-gather's weight scales and syncs
-delayed-scaling histories in one collective when an optimizer step made them stale; FSDP2
-all-gathers each block's weights, in float8 for converted linears with ``--fp8-all-gather``)
+One step: this rank's rows of the global batch -> forward/backward (FSDP2 all-gathers each
+block's weights, in float8 for converted linears with ``--fp8-all-gather``; the float8 step
+refreshes precomputed scales and delayed histories when an optimizer step made them stale)
 -> clip gradients -> one all-reduce of the loss and the stop flag, so all ranks agree
-whether to go on -> optimizer and LR step. Float8 applies to the linears inside the blocks; the embedding, the output head
-and anything ``--float8-skip`` names stay in high precision.
-
-Outputs in ``--out``: ``metrics.jsonl`` (one line per step, see ``f8train/train_log.py``),
-``run.json`` (flags, world, conversion), ``summary.json``, ``checkpoints/step_*/`` (DCP
-plus a manifest of checksums and settings; see ``f8train/checkpoint.py``). A run whose
-``--out`` holds a checkpoint continues from it, which is also how a job restarted by
-``torchrun --max-restarts N`` resumes; before the model is built the checkpoint's files
-are verified (a damaged newest one is set aside and the previous intact one used) and its
-settings compared with the flags (``f8train/resume.py``). SIGTERM (or Ctrl-C) saves a
-checkpoint and exits 0; a non-finite loss stops with exit code 3 before the optimizer step;
-a collective that waits longer than ``--pg-timeout-s`` ends the run with a message.
+whether to go on -> optimizer and LR step. A run whose ``--out`` holds a checkpoint continues
+from it (also after ``torchrun --max-restarts N``), verified and compared with the flags
+before the model is built (``f8train/resume.py``). SIGTERM saves a checkpoint and exits 0;
+a non-finite loss stops with exit code 3 before the optimizer step; a collective waiting
+longer than ``--pg-timeout-s`` ends the run with a message. Outputs: docs/trainer.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -40,20 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from f8train.checkpoint import (
-    Checkpointer,
-    ModelOptimizerState,
-    ProgressState,
-    RNGState,
-    SchedulerState,
-)
-from f8train.data import (
-    TokenBatcher,
-    TokenData,
-    ValidationBatches,
-    check_token_ids,
-    load_tokens,
-)
+from f8train import checkpoint as ck
+from f8train import train_log as log
+from f8train.data import TokenBatcher, TokenData, ValidationBatches, check_token_ids, load_tokens
 from f8train.float8_flags import block_all_gather_problem, describe, float8_config
 from f8train.model import build_args, flops_per_token, num_params
 from f8train.moe import moe_aux_loss, moe_fields
@@ -64,82 +43,60 @@ from f8train.process_group import (
     init_distributed,
 )
 from f8train.rank_exit import enable_crash_traces, exit_rank
-from f8train.resume import ResumePoint, checkpoint_settings, find_resume
+from f8train.resume import checkpoint_settings, find_resume
 from f8train.run_control import GracefulStop, acquire_lock, maybe_crash, maybe_hang, release_lock
-from f8train.sharded_model import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    conversion_counts,
-)
+from f8train.sharded_model import build_model, build_optimizer, build_scheduler, conversion_counts
 from f8train.train_args import parse_args
-from f8train.train_log import (
-    MetricsFile,
-    Progress,
-    Stopwatch,
-    comm_fields,
-    format_summary,
-    peak_flops,
-    peak_memory_bytes,
-    read_metrics,
-    summary,
-)
-from fsdp_float8 import (
-    Float8LinearConfig,
-    Float8Telemetry,
-    float8_step,
-    sync_float8_amax_and_scale_history,
-)
+from fsdp_float8 import Float8LinearConfig, Float8Telemetry, float8_step
+from fsdp_float8 import sync_float8_amax_and_scale_history as sync_float8
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from fsdp_float8.tools.telemetry import append_jsonl
 
 EXIT_NON_FINITE = 3
 
 
-class NonFiniteLoss(Exception):
-    pass
-
-
 class Trainer:
     """Holds the run's objects; ``run()`` trains from the resumed step to ``--steps``."""
 
     def __init__(self, args: argparse.Namespace, config: Float8LinearConfig | None, d: Dist):
-        self.args, self.config, self.d = args, config, d
-        self.out = Path(args.out)
+        self.args, self.config, self.d, self.out = args, config, d, Path(args.out)
         torch.manual_seed(args.seed)
-        data = load_data(args)
+        self.data = load_data(args)
         # the ranks of a tensor-parallel group read the same batch: split over dp only
         layout = dict(seq_len=args.seq_len, global_batch=args.global_batch, rank=d.dp_rank)
-        self.batcher = TokenBatcher(data.train, **layout, world_size=d.dp_size, seed=args.seed)
-        self.val = ValidationBatches(
-            data.val, **layout, world_size=d.dp_size, num_batches=args.val_batches
+        layout |= dict(world_size=d.dp_size)
+        self.batcher = TokenBatcher(self.data.train, **layout, seed=args.seed)
+        self.val = ValidationBatches(self.data.val, **layout, num_batches=args.val_batches)
+        self.ckpt = ck.Checkpointer(
+            self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main
         )
-        self.ckpt = Checkpointer(self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main)
         self.settings = checkpoint_settings(args)
         # verified and compared before the model is built: a refusal costs no build
-        self.resume_point: ResumePoint | None = find_resume(args, self.ckpt, self.settings)
+        self.resume_point = find_resume(args, self.ckpt, self.settings)
         self.ckpt.check_space(None)  # room for a checkpoint like the last one, or stop now
         self.model, self.report = build_model(args, d, config)
         self.optimizer = build_optimizer(self.model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
-        self.progress_state = ProgressState()
+        self.progress_state = ck.ProgressState()
         if config is not None and not args.precompute and args.scaling == "dynamic":
             float8_step(self.model).disable()  # measure the per-weight fallback
         self.tokens_per_step = args.global_batch * args.seq_len
         self.flops_per_token = flops_per_token(self.model.args, args.seq_len)
-        self.peak_flops = peak_flops(d.device, args.peak_tflops)
-        self.data_source = data.source
-
-    # ---- setup -------------------------------------------------------------------------
+        self.peak_flops = log.peak_flops(d.device, args.peak_tflops)
+        self.telemetry = None
 
     def state(self) -> dict:
         return {
-            "app": ModelOptimizerState(self.model, self.optimizer),
-            "scheduler": SchedulerState(self.scheduler),
+            "app": ck.ModelOptimizerState(self.model, self.optimizer),
+            "scheduler": ck.SchedulerState(self.scheduler),
             "batcher": self.batcher,
-            "rng": RNGState(),
+            "rng": ck.RNGState(),
             "progress": self.progress_state,
         }
+
+    def say(self, text: str) -> None:
+        if self.d.is_main:
+            print(text, flush=True)
 
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step it was saved at."""
@@ -148,47 +105,41 @@ class Trainer:
         path = self.resume_point.path
         self.ckpt.load(path, self.state())
         if self.config is not None:  # as at the save: the step metrics match a run that
-            sync_float8_amax_and_scale_history(self.model)  # did not stop (no first check)
+            sync_float8(self.model)  # did not stop (no first check)
         step = self.progress_state.step
         self.say(f"resumed from {path} at step {step} (world size {self.d.world_size})")
         for change in self.resume_point.changed:
             self.say(f"  changed on resume (--allow-recipe-change): {change}")
         return step
 
-    def say(self, text: str) -> None:
-        if self.d.is_main:
-            print(text, flush=True)
-
     def header(self, start_step: int) -> None:
-        a, d = self.args, self.d
-        counts = conversion_counts(self.model, self.report)
+        a, d, report, point = self.args, self.d, self.report, self.resume_point
+        counts = conversion_counts(self.model, report)
         info = {
             "args": vars(a),
             "world_size": d.world_size,
             "mesh": d.mesh_shape(),
             "params": num_params(self.model, exclude_embedding=False),
             **counts,
-            "float8_converted": self.report.converted if self.report else [],
-            "float8_skipped": self.report.skipped if self.report else {},
-            "data": self.data_source,
+            "float8_converted": report.converted if report else [],
+            "float8_skipped": report.skipped if report else {},
+            "data": self.data.source,
         }
-        if self.resume_point is not None:
-            info["resumed_from"] = str(self.resume_point.path)
-            info["settings_changed_on_resume"] = self.resume_point.changed
-            info["damaged_checkpoints_set_aside"] = [str(p) for p in self.resume_point.damaged]
+        if point is not None:
+            info["resumed_from"] = str(point.path)
+            info["settings_changed_on_resume"] = point.changed
+            info["damaged_checkpoints_set_aside"] = [str(p) for p in point.damaged]
         if d.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
         self.say(
             f"{d.world_size} rank(s) on {d.device.type}, mesh {info['mesh']}; model "
             f"{a.preset} {info['params']:,} params ({counts['float8_params']:,} in float8 "
-            f"linears); {self.tokens_per_step:,} tokens/step; data {self.data_source}"
+            f"linears); {self.tokens_per_step:,} tokens/step; data {self.data.source}"
         )
         self.say(f"config: {describe(a)}")
-        self.say(str(self.report) if self.report else "float8: off (high-precision baseline)")
+        self.say(str(report) if report else "float8: off (high-precision baseline)")
         self.say(f"out: {self.out}  (from step {start_step} to {a.steps})")
-
-    # ---- one step ----------------------------------------------------------------------
 
     def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs.to(self.d.device))
@@ -199,61 +150,48 @@ class Trainer:
     def train_step(self, step: int, stop: GracefulStop) -> tuple[dict, bool]:
         """One optimizer step; returns its metrics record and whether to stop after it."""
         a = self.args
-        measure = a.comm_every > 0 and step % a.comm_every == 0
-        counter = CollectiveCounter() if measure else None
+        counter = CollectiveCounter() if a.comm_every > 0 and step % a.comm_every == 0 else None
         inputs, targets = next(self.batcher)
-        timer = Stopwatch()
+        start = time.perf_counter()
         with counter if counter is not None else nullcontext():
             loss = self.loss_of(inputs, targets)
             if step == a.nan_at_step:  # test hook
                 loss = loss * float("nan")
             loss.backward()
-            grad_norm = self.clip_gradients()
-            loss_value, stop_requested = self.agree(loss, stop)
-            if not (_finite(loss_value) and _finite(grad_norm)):
-                raise NonFiniteLoss(f"loss {loss_value}, grad norm {grad_norm}")
+            max_norm = a.grad_clip if a.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+            # one all-reduce (SUM: gloo has no AVG): the mean loss, and whether any rank
+            # was asked to stop
+            flag = loss.new_tensor(1.0 if stop.requested else 0.0, dtype=torch.float32)
+            both = torch.stack([loss.detach().float(), flag])
+            dist.all_reduce(both)
+            loss_value, stop_requested = both[0].item() / self.d.world_size, both[1].item() > 0
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                raise _NonFinite(f"loss {loss_value}, grad norm {grad_norm}")
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.d.device.type == "cuda":
             torch.cuda.synchronize(self.d.device)
-        seconds = timer.elapsed()
-        record = self.record(step, loss_value, grad_norm, seconds, counter)
-        return record, stop_requested
-
-    def clip_gradients(self) -> float:
-        max_norm = self.args.grad_clip if self.args.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return norm.item()
-
-    def agree(self, loss: torch.Tensor, stop: GracefulStop) -> tuple[float, bool]:
-        """One all-reduce: the global mean loss, and whether any rank was asked to stop."""
-        flag = 1.0 if stop.requested else 0.0
-        both = torch.stack([loss.detach().float(), loss.new_tensor(flag, dtype=torch.float32)])
-        dist.all_reduce(both)  # SUM (gloo has no AVG)
-        return both[0].item() / self.d.world_size, both[1].item() > 0
-
-    def record(self, step, loss, grad_norm, seconds, counter) -> dict:
+        seconds = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / seconds
         mfu = None
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.d.world_size)
-        return {
+        record = {
             "step": step,
-            "loss": loss,
+            "loss": loss_value,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
             "step_time_s": seconds,
-            **comm_fields(counter),
-            "peak_memory_bytes": peak_memory_bytes(self.d.device),
+            **log.comm_fields(counter),
+            "peak_memory_bytes": log.peak_memory_bytes(self.d.device),
             "mfu": mfu,
             **moe_fields(self.model),
         }
-
-    # ---- validation and checkpoints ----------------------------------------------------
+        return record, stop_requested
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -270,19 +208,20 @@ class Trainer:
         self.model.train()
         return (total[0] / total[1]).item()
 
-    def save(self, step: int, progress: Progress) -> None:
-        timer = Stopwatch()
+    def save(self, step: int, progress: log.Progress) -> None:
+        start = time.perf_counter()
         if self.config is not None:  # the refresh is lazy: save reduced delayed amaxes
-            sync_float8_amax_and_scale_history(self.model)
+            sync_float8(self.model)
         path = self.ckpt.save(step, self.state(), self.settings)
-        progress.message(f"step {step}: saved checkpoint {path} ({timer.elapsed():.1f} s)")
-
-    # ---- the loop ----------------------------------------------------------------------
+        seconds = time.perf_counter() - start
+        progress.message(f"step {step}: saved checkpoint {path} ({seconds:.1f} s)")
 
     def run(self) -> int:
         start = self.resume()
         self.header(start)
-        metrics = MetricsFile(self.out / "metrics.jsonl", enabled=self.d.is_main, resume_step=start)
+        metrics = log.MetricsFile(
+            self.out / "metrics.jsonl", enabled=self.d.is_main, resume_step=start
+        )
         if metrics.dropped:
             self.say(
                 f"note: {metrics.dropped} line(s) of {metrics.path} after step {start} moved "
@@ -290,24 +229,24 @@ class Trainer:
             )
         if start >= self.args.steps:
             self.say(f"nothing to do: the run in {self.out} is at step {start}/{self.args.steps}")
-            return self.finish(start)
-        self.telemetry = None
+            return self.finish()
         if self.config is not None and self.args.numerics_every > 0:
-            self.telemetry = Float8Telemetry(
-                self.model, every=self.args.numerics_every, start_step=start + 1
-            )
-        progress = Progress(self.args.steps, enabled=self.d.is_main, log_every=self.args.log_every)
+            every = self.args.numerics_every
+            self.telemetry = Float8Telemetry(self.model, every=every, start_step=start + 1)
+        progress = log.Progress(
+            self.args.steps, enabled=self.d.is_main, log_every=self.args.log_every
+        )
         with GracefulStop() as stop:
             code = self.loop(start, metrics, progress, stop)
         progress.close()
         return code
 
-    def loop(self, start: int, metrics: MetricsFile, progress: Progress, stop) -> int:
+    def loop(self, start: int, metrics: log.MetricsFile, progress: log.Progress, stop) -> int:
         a = self.args
         for step in range(start + 1, a.steps + 1):
             try:
                 record, stop_requested = self.train_step(step, stop)
-            except NonFiniteLoss as err:
+            except _NonFinite as err:
                 return self.non_finite(step, str(err), progress)
             self.progress_state.step = step
             self.progress_state.tokens += self.tokens_per_step
@@ -316,7 +255,11 @@ class Trainer:
                 record["val_loss"] = self.validate()
                 progress.message(f"step {step}: val loss {record['val_loss']:.4f}")
             metrics.write(record)
-            self.log_numerics()
+            if self.telemetry is not None:  # every rank flushes: its warnings name its layers
+                self.telemetry.step()
+                records = self.telemetry.flush()
+                if self.d.is_main and records:
+                    append_jsonl(self.out / "numerics.jsonl", records)
             progress.step(record)
             early = stop_requested or step == a.stop_at_step
             if last or early or (a.ckpt_every > 0 and step % a.ckpt_every == 0):
@@ -327,44 +270,29 @@ class Trainer:
                 why = f"signal {stop.signal_name}" if stop_requested else "--stop-at-step"
                 progress.message(f"stopped after step {step} ({why}); rerun to resume")
                 return 0
-        return self.finish(a.steps)
+        return self.finish()
 
-    def log_numerics(self) -> None:
-        """Advance the telemetry; flush on every rank (its warnings name each rank's layers),
-        write rank 0's records to numerics.jsonl."""
-        if self.telemetry is None:
-            return
-        self.telemetry.step()
-        records = self.telemetry.flush()
-        if self.d.is_main and records:
-            append_jsonl(self.out / "numerics.jsonl", records)
-
-    def non_finite(self, step: int, what: str, progress: Progress) -> int:
-        latest = self.ckpt.latest()
+    def non_finite(self, step: int, what: str, progress: log.Progress) -> int:
         progress.message(
             f"error: non-finite training values at step {step} ({what}); stopped before the "
-            f"optimizer step. Newest checkpoint: {latest or 'none'} (its files are checked "
-            "against their checksums when the run resumes). Lower --lr, set "
+            f"optimizer step. Newest checkpoint: {self.ckpt.latest() or 'none'} (its files "
+            "are checked against their checksums when the run resumes). Lower --lr, set "
             "--grad-clip, or use --recipe off to check whether float8 is the cause."
         )
         return EXIT_NON_FINITE
 
-    def finish(self, step: int) -> int:
+    def finish(self) -> int:
         if self.d.is_main:
-            records = read_metrics(self.out / "metrics.jsonl")
-            extra = {"config": describe(self.args), "train_time_s": _train_time(records)}
-            s = summary(records, extra)
+            records = log.read_metrics(self.out / "metrics.jsonl")
+            train_time = sum(r["step_time_s"] for r in records)
+            s = log.summary(records, {"config": describe(self.args), "train_time_s": train_time})
             (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-            print(f"summary ({self.out / 'summary.json'}):\n{format_summary(s)}", flush=True)
+            print(f"summary ({self.out / 'summary.json'}):\n{log.format_summary(s)}", flush=True)
         return 0
 
 
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
-
-
-def _train_time(records: list[dict]) -> float:
-    return sum(r["step_time_s"] for r in records)
+class _NonFinite(Exception):
+    pass
 
 
 def load_data(args: argparse.Namespace) -> TokenData:
@@ -387,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     config = float8_config(args)  # refuse bad flag combinations before starting anything
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shards = max(1, world // (args.hsdp_replicate * args.tp))  # what fully_shard shards over
-    resuming = bool(Checkpointer(Path(args.out) / "checkpoints", keep=1, is_main=False).complete())
+    resuming = bool(
+        ck.Checkpointer(Path(args.out) / "checkpoints", keep=1, is_main=False).complete()
+    )
     problem = block_all_gather_problem(args, config, shards, resuming=resuming)
     if problem is not None:  # every rank decides alike, before any process group
         raise SystemExit(problem)

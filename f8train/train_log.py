@@ -1,12 +1,10 @@
-"""What ``f8train/train.py`` shows and records (rank 0 only).
+"""What ``f8train/train.py`` records and shows (rank 0 only).
 
-- ``MetricsFile``: ``OUT/metrics.jsonl``, one JSON object per training step (see
-  ``STEP_FIELDS``); a step that ran validation also carries ``val_loss``. On resume the
-  lines after the resumed step (all of them on a fresh start) move to
-  ``metrics.dropped.jsonl`` (appended, never lost), so the file holds each step once.
-- ``Progress``: one live line per step on a terminal (``\\r``), otherwise a line every
-  ``log_every`` steps, so that log files stay readable.
-- ``summary``/``format_summary``: the end-of-run table, also written to ``summary.json``.
+``MetricsFile``: ``OUT/metrics.jsonl``, one JSON object per step (its fields are listed in
+docs/trainer.md). On resume the lines after the resumed step (all of them on a fresh start)
+move to ``metrics.dropped.jsonl``, appended, so the file holds each step once and nothing is
+lost. ``Progress``: a live line on a terminal, else a line every ``log_every`` steps.
+``summary``/``format_summary``: the end-of-run figures, also written to ``summary.json``.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import json
 import math
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +21,12 @@ import torch
 from f8train.bench_common import peak_tflops
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 
-STEP_FIELDS = (
-    "step",  # 1-based, the optimizer steps done
-    "loss",  # mean training loss over the global batch
-    "lr",
-    "grad_norm",  # before clipping
-    "tokens_per_s",  # global tokens / step_time_s
-    "step_time_s",
-    "all_gather_bytes",  # this rank's all-gather input bytes in the step (None: not measured)
-    "all_gather_count",
-    "reduce_scatter_bytes",
-    "all_reduce_bytes",
-    "peak_memory_bytes",  # rank 0: CUDA max_memory_allocated, or the process's max RSS
-    "mfu",  # CUDA only: model FLOPs utilization against the bf16 dense peak
-)
+_COMM_FIELDS = ("all_gather_bytes", "all_gather_count", "reduce_scatter_bytes", "all_reduce_bytes")
 
 
 class MetricsFile:
     def __init__(self, path: Path, *, enabled: bool, resume_step: int) -> None:
-        self.path = Path(path)
-        self.enabled = enabled
+        self.path, self.enabled = Path(path), enabled
         self.dropped = 0  # lines moved to the dropped file (steps this run trains again)
         if not enabled:
             return
@@ -52,10 +35,8 @@ class MetricsFile:
             self.path.write_text("")
             return
         kept, dropped = [], []
-        for line in self.path.read_text().splitlines():
-            if line.strip():
-                ok = resume_step > 0 and _step_of(line) <= resume_step
-                (kept if ok else dropped).append(line)
+        for line in filter(str.strip, self.path.read_text().splitlines()):
+            (kept if resume_step > 0 and _step_of(line) <= resume_step else dropped).append(line)
         if dropped:  # first the copy, then the rewrite: a crash in between loses nothing
             with self.dropped_path.open("a") as f:
                 f.write("".join(line + "\n" for line in dropped))
@@ -81,23 +62,18 @@ def _step_of(line: str) -> int:
         return 1 << 62  # unreadable: never kept as a resumed step, moved with the dropped
 
 
-def comm_fields(counter: CollectiveCounter | None) -> dict[str, int | None]:
-    """The step record's collective fields from a ``CollectiveCounter`` (None: not measured)."""
-    if counter is None:
-        names = ("all_gather_bytes", "all_gather_count", "reduce_scatter_bytes", "all_reduce_bytes")
-        return dict.fromkeys(names)
-    return {
-        "all_gather_bytes": counter.bytes("all_gather"),
-        "all_gather_count": counter.count("all_gather"),
-        # gradient reduction: FSDP2's reduce-scatter, or the all-to-all that
-        # --float8-reduce-scatter sends instead
-        "reduce_scatter_bytes": counter.bytes("reduce_scatter") + counter.bytes("all_to_all"),
-        "all_reduce_bytes": counter.bytes("all_reduce"),
-    }
-
-
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def comm_fields(counter: CollectiveCounter | None) -> dict[str, int | None]:
+    """The step record's collective fields (None: not measured this step)."""
+    if counter is None:
+        return dict.fromkeys(_COMM_FIELDS)
+    # gradient reduction: FSDP2's reduce-scatter, or --float8-reduce-scatter's all-to-all
+    reduce = counter.bytes("reduce_scatter") + counter.bytes("all_to_all")
+    counts = (counter.bytes("all_gather"), counter.count("all_gather"), reduce)
+    return dict(zip(_COMM_FIELDS, (*counts, counter.bytes("all_reduce"))))
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -135,9 +111,7 @@ class Progress:
     """Rank-0 progress line: step/total, loss, tokens/s, ETA from recent step times."""
 
     def __init__(self, total: int, *, enabled: bool, log_every: int) -> None:
-        self.total = total
-        self.enabled = enabled
-        self.log_every = max(1, log_every)
+        self.total, self.enabled, self.log_every = total, enabled, max(1, log_every)
         self.live = enabled and sys.stdout.isatty()
         self.recent: list[float] = []
 
@@ -167,33 +141,33 @@ class Progress:
             print(flush=True)
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def summary(records: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    """End-of-run figures from the step records (the first steps, which include warm-up
-    and compilation, are left out of the speed averages when there are enough steps)."""
+    """End-of-run figures from the step records; the speed leaves out the first steps
+    (warm-up, compilation) when there are enough."""
     if not records:
         return dict(extra)
-    skip = min(2, len(records) - 1)
-    timed = records[skip:]
-    measured = [r["all_gather_bytes"] for r in records if r.get("all_gather_bytes") is not None]
-    rs = [r["reduce_scatter_bytes"] for r in records if r.get("reduce_scatter_bytes") is not None]
+    timed = records[min(2, len(records) - 1) :]
     vals = [r for r in records if "val_loss" in r]
-    last = records[-10:]
-    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    seconds = sum(r["step_time_s"] for r in timed)
     return {
         **extra,
         "steps": records[-1]["step"],
         "final_loss": records[-1]["loss"],
-        "final_loss_avg10": sum(r["loss"] for r in last) / len(last),
+        "final_loss_avg10": _mean([r["loss"] for r in records[-10:]]),
         "val_loss": vals[-1]["val_loss"] if vals else None,
         "val_step": vals[-1]["step"] if vals else None,
         # total tokens / total time (a mean of per-step rates would favour fast steps)
-        "tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in timed)
-        / sum(r["step_time_s"] for r in timed),
-        "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed),
-        "all_gather_bytes_per_step": sum(measured) / len(measured) if measured else None,
-        "reduce_scatter_bytes_per_step": sum(rs) / len(rs) if rs else None,
+        "tokens_per_s": sum(r["tokens_per_s"] * r["step_time_s"] for r in timed) / seconds,
+        "step_time_s": seconds / len(timed),
+        "all_gather_bytes_per_step": _mean([r.get("all_gather_bytes") for r in records]),
+        "reduce_scatter_bytes_per_step": _mean([r.get("reduce_scatter_bytes") for r in records]),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
-        "mfu": sum(mfus) / len(mfus) if mfus else None,
+        "mfu": _mean([r.get("mfu") for r in timed]),
     }
 
 
@@ -201,11 +175,15 @@ def format_summary(s: dict[str, Any]) -> str:
     def num(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
+    losses = "-"
+    if s.get("final_loss") is not None:
+        losses = f"{s['final_loss']:.4f} / {s['final_loss_avg10']:.4f}"
+    val_at = "" if s.get("val_step") is None else f" (step {s['val_step']})"
     rows = [
         ("config", s.get("config", "-")),
         ("steps", num(s.get("steps"), "d")),
-        ("final train loss (last / avg of 10)", _pair(s)),
-        ("val loss", num(s.get("val_loss"), ".4f") + _at(s.get("val_step"))),
+        ("final train loss (last / avg of 10)", losses),
+        ("val loss", num(s.get("val_loss"), ".4f") + val_at),
         ("tokens/s (global)", num(s.get("tokens_per_s"), ",.0f")),
         ("step time", num(s.get("step_time_s"), ".3f") + " s"),
         ("all-gather bytes/step (rank 0)", fmt_bytes(s.get("all_gather_bytes_per_step"))),
@@ -216,21 +194,3 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
-def _pair(s: dict[str, Any]) -> str:
-    if s.get("final_loss") is None:
-        return "-"
-    return f"{s['final_loss']:.4f} / {s['final_loss_avg10']:.4f}"
-
-
-def _at(step: int | None) -> str:
-    return "" if step is None else f" (step {step})"
-
-
-class Stopwatch:
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
