@@ -6,7 +6,7 @@ scaling buffers included; DCP reshards on load, so a 2-rank checkpoint loads on 
 every rank's DCP files, ``manifest.json``: each file's size and sha256 (each rank hashes a
 share) and the run settings the checkpoint depends on. The manifest marks a finished save.
 ``verify`` checks a folder against it; the findings are all-gathered, so every rank holds
-the same sorted ``Problem`` list and takes the same decision.
+the same sorted list of damaged files and takes the same decision.
 
 A folder without a manifest is an interrupted save (``dcp_problem`` says why DCP could not
 load it) or a checkpoint *in doubt* (DCP's files all there). Nothing that could load is
@@ -24,7 +24,6 @@ import pickle
 import re
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,17 +100,6 @@ def free_bytes(path: Path) -> int:
 # ---- the manifest ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, order=True)
-class Problem:
-    """One finding about one file of a checkpoint: what is wrong with it."""
-
-    file: str
-    what: str
-
-    def __str__(self) -> str:
-        return f"{self.file}: {self.what}"
-
-
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -163,26 +151,26 @@ def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return manifest, None
 
 
-def _check(path: Path, name: str, expected: dict[str, Any]) -> Problem | None:
+def _check(path: Path, name: str, expected: dict[str, Any]) -> str | None:
     file = path / name
     if not file.is_file():
-        return Problem(name, "missing (listed in the manifest, not on disk)")
+        return f"{name}: missing (listed in the manifest, not on disk)"
     size = file.stat().st_size
     if size != expected.get("bytes"):
-        return Problem(name, f"{size} bytes on disk, {expected.get('bytes')} when saved")
+        return f"{name}: {size} bytes on disk, {expected.get('bytes')} when saved"
     if _sha256(file) != expected.get("sha256"):
-        return Problem(name, "contents changed since the save (sha256 differs)")
+        return f"{name}: contents changed since the save (sha256 differs)"
     return None
 
 
-def verify(path: Path) -> tuple[dict[str, Any] | None, list[Problem]]:
+def verify(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """Check a checkpoint against its manifest (collective, same answer on every rank).
-    Returns the manifest and the problems found (none: intact)."""
+    Returns the manifest and a sorted line per damaged file, ``file: what`` (none: intact)."""
     path = Path(path)
     rank, world = rank_world()
     manifest, why = broadcast_from_0(read_manifest(path) if rank == 0 else (None, None))
     if manifest is None:
-        return None, [Problem(MANIFEST, why)]
+        return None, [f"{MANIFEST}: {why}"]
     names = sorted(manifest["files"])
     mine = [_check(path, n, manifest["files"][n]) for n in names[rank::world]]
     found = [p for part in all_gather_object([p for p in mine if p is not None]) for p in part]

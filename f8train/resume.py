@@ -32,7 +32,6 @@ from f8train.checkpoint import (
     MANIFEST,
     SET_ASIDE,
     Checkpointer,
-    Problem,
     aside_name,
     dcp_problem,
     step_of,
@@ -160,7 +159,7 @@ class ResumePoint:
 class _Candidate:
     path: Path
     manifest: dict[str, Any]
-    damaged: list[tuple[Path, list[Problem]]] = field(default_factory=list)  # newer, passed over
+    damaged: list[tuple[Path, list[str]]] = field(default_factory=list)  # newer, passed over
     unverified: bool = False
 
 
@@ -211,22 +210,15 @@ def _newer_loadable(ckpt: Checkpointer, step: int, chosen: Path) -> list:
             if step_of(p) > step and p != chosen and (ckpt.is_complete(p) or not dcp_problem(p))
         ]
     why = f"newer than the checkpoint resumed from ({chosen})"
-    return [(p, [Problem(p.name, why)]) for p in broadcast_from_0(newer)]
+    return [(p, [f"{p.name}: {why}"]) for p in broadcast_from_0(newer)]
 
 
 def _run_json(path: Path) -> str:
     return str(Path(path).parent.parent / "run.json")
 
 
-def _describe(problems: list[Problem]) -> str:
+def _describe(problems: list[str]) -> str:
     return "\n".join(f"  {p}" for p in problems)
-
-
-def _newest_verified(candidates: list[Path]) -> Path | None:
-    for path in reversed(candidates):
-        if not verify(path)[1]:
-            return path
-    return None
 
 
 def _explicit(path: Path) -> _Candidate:
@@ -239,7 +231,8 @@ def _explicit(path: Path) -> _Candidate:
     if not problems:
         return _Candidate(path, manifest)
     earlier = Checkpointer(path.parent, keep=1, is_main=False).complete()
-    previous = _newest_verified([p for p in earlier if step_of(p) < step_of(path)])
+    earlier = [p for p in reversed(earlier) if step_of(p) < step_of(path)]
+    previous = next((p for p in earlier if not verify(p)[1]), None)  # verify: collective
     if previous is None:
         after = (
             f"no intact checkpoint before it in {path.parent}; start a new run with another --out"
@@ -259,12 +252,9 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
     candidates = ckpt.complete()
     newest = candidates[-1] if candidates else None
     _stop_if_newest_in_doubt(ckpt, newest)
+    newest_step = step_of(newest) if newest else -1
     for path in ckpt.step_dirs():  # an interrupted save newer than all: said, not skipped
-        if (
-            ckpt.is_main
-            and step_of(path) > step_of(newest or "")
-            and (path / ".metadata").is_file()
-        ):
+        if ckpt.is_main and step_of(path) > newest_step and (path / ".metadata").is_file():
             warn(
                 f"note: {path} has DCP files but no {MANIFEST} and cannot be loaded "
                 f"({dcp_problem(path)}): an interrupted save, not resumed from"
@@ -278,7 +268,7 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
             f"--out {args.out} already holds checkpoints (latest {newest}); pass "
             "--resume to continue that run, or choose another --out"
         )
-    damaged: list[tuple[Path, list[Problem]]] = []
+    damaged: list[tuple[Path, list[str]]] = []
     for path in reversed(candidates):
         manifest, problems = verify(path)
         if not problems:
@@ -318,7 +308,7 @@ def _stop_if_newest_in_doubt(ckpt: Checkpointer, newest: Path | None) -> None:
 
 
 def _set_aside(
-    items: list[tuple[Path, list[Problem]]], suffix: str, good: Path, is_main: bool
+    items: list[tuple[Path, list[str]]], suffix: str, good: Path, is_main: bool
 ) -> list[Path]:
     """Rename checkpoints out of the way (rank 0) and say so loudly; returns the new names."""
     if not items:  # the same list on every rank
