@@ -71,14 +71,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemms import (
-    CONTRACTION_DIM,
-    OPERANDS,
-    PRIMARY_GEMM,
-    SECOND_GEMM,
-    Gemm,
-    Operand,
-)
+from fsdp_float8.core.gemms import CONTRACTION_DIM, OPERAND_GEMMS, Gemm, Operand
 from fsdp_float8.core.numerics import out_of_range_fraction, underflow_fraction
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
@@ -363,8 +356,7 @@ def _observed_casts(plan: CastPlan, all_casts: bool) -> dict[Operand, list[Gemm]
     """Per operand, the GEMMs whose cast is observed: the first enabled one, plus (with
     all_casts) the second unless the layer reuses the first cast for it."""
     out: dict[Operand, list[Gemm]] = {}
-    for op in OPERANDS:
-        first, second = PRIMARY_GEMM[op], SECOND_GEMM[op]
+    for op, (first, second) in OPERAND_GEMMS.items():  # primary, then second use
         gemms = [g for g in (first, second) if plan.strategies[(op, g)] is not None]
         if len(gemms) == 2 and (not all_casts or plan.shares_cast(op, first, second)):
             gemms = gemms[:1]

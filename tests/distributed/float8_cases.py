@@ -20,8 +20,10 @@ from fsdp_float8 import (
     Float8LinearConfig,
     convert_to_float8_training,
     float8_step,
+    precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
+from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.models import Transformer, model_args
 
 
@@ -160,10 +162,61 @@ def convert(model: nn.Module, case: Case, *, all_gather: bool) -> nn.Module:
     return model
 
 
+def shard_with_optimizer(model: nn.Module, case: Case, mesh) -> torch.optim.Optimizer:
+    shard(model, case, mesh)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+
+def explicit_refresh(model: nn.Module, case: Case) -> None:
+    """What a training loop calls with the float8 step off (torchao's loop), before the
+    first forward and after each optimizer step: the pass(es) its float8 layers need."""
+    if case.scaling in ("dynamic", "mixed"):
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    if case.scaling in ("delayed", "mixed"):
+        sync_float8_amax_and_scale_history(model)
+
+
+def scale_collectives(counter: CollectiveCounter) -> int:
+    """The scale collectives among those counted: all-reduces with MAX (a refresh vector,
+    or a weight's own amax) and float64 all-gathers (the first refresh, with the rank check)."""
+    return sum(
+        1
+        for r in counter.records
+        if (str(r.kind) == "all_reduce" and r.reduce_op == "max")
+        or (str(r.kind) == "all_gather" and r.dtype == torch.float64)
+    )
+
+
+def train_and_count(
+    model: nn.Module,
+    opt,
+    case: Case,
+    rank: int,
+    world_size: int,
+    *,
+    count,
+    loss_fn=None,
+    after_step=None,
+) -> tuple[list[float], list[int]]:
+    """`case.steps` training steps (forward, backward, optimizer step, then `after_step()`),
+    each under a CollectiveCounter: the losses, and `count(counter)` of each step."""
+    losses, counts = [], []
+    for step in range(case.steps):
+        with CollectiveCounter() as counter:
+            loss = (loss_fn or loss_of)(model, case, batch(case, step, rank, world_size))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if after_step is not None:
+                after_step()
+        losses.append(loss.item())
+        counts.append(count(counter))
+    return losses, counts
+
+
 def train_fsdp(case: Case, mesh, rank: int, world_size: int) -> list[float]:
     model = convert(build_model(case), case, all_gather=case.fp8_all_gather)
-    shard(model, case, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    opt = shard_with_optimizer(model, case, mesh)
     losses = []
     for step in range(case.steps):
         loss = loss_of(model, case, batch(case, step, rank, world_size))

@@ -14,22 +14,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
-from fsdp_float8 import (
-    convert_to_float8_training,
-    precompute_float8_dynamic_scale_for_fsdp,
-    sync_float8_amax_and_scale_history,
-)
+from fsdp_float8 import convert_to_float8_training
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.float8_cases import (
     Case,
-    batch,
     build_model,
+    explicit_refresh,
     float8_config,
     float8_filter,
-    loss_of,
-    shard,
+    shard_with_optimizer,
+    train_and_count,
 )
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
@@ -42,35 +36,18 @@ CASES = [
 ]
 
 
-def _explicit_refresh(model, case: Case) -> None:
-    """What a training loop had to call before: the pass(es) its layers need."""
-    if case.scaling in ("dynamic", "mixed"):
-        precompute_float8_dynamic_scale_for_fsdp(model)
-    if case.scaling in ("delayed", "mixed"):
-        sync_float8_amax_and_scale_history(model)
-
-
 def _train(case: Case, mesh, rank: int, world_size: int, explicit: bool):
     model = build_model(case)
     if case.recipe != "off":
         config = float8_config(case, all_gather=case.fp8_all_gather)
         convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
-    shard(model, case, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    if explicit:
-        _explicit_refresh(model, case)
-    losses, counts = [], []
-    for step in range(case.steps):
-        with CollectiveCounter() as counter:
-            loss = loss_of(model, case, batch(case, step, rank, world_size))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if explicit:
-                _explicit_refresh(model, case)
-        losses.append(loss.item())
-        counts.append(counter.count())
-    return losses, counts
+    opt = shard_with_optimizer(model, case, mesh)
+    refresh = (lambda: explicit_refresh(model, case)) if explicit else None
+    if refresh is not None:
+        refresh()
+    return train_and_count(
+        model, opt, case, rank, world_size, count=CollectiveCounter.count, after_step=refresh
+    )
 
 
 def _grid(rank, world_size, cases):

@@ -24,8 +24,8 @@ from fsdp_float8 import (
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.tools.comm_stats import CollectiveCounter
+from tests.distributed.float8_cases import scale_collectives
 from tests.distributed.launcher import cpu_mesh, run_distributed
-from tests.distributed.test_float8_step_usages import scale_collectives
 
 TENSORWISE = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
 DELAYED = Float8LinearConfig(

@@ -19,21 +19,17 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from fsdp_float8 import (
-    convert_to_float8_training,
-    float8_step,
-    precompute_float8_dynamic_scale_for_fsdp,
-    sync_float8_amax_and_scale_history,
-)
-from fsdp_float8.tools.comm_stats import CollectiveCounter
+from fsdp_float8 import convert_to_float8_training, float8_step
 from tests.distributed.float8_cases import (
     Case,
-    batch,
     build_model,
+    explicit_refresh,
     float8_config,
     float8_filter,
     loss_of,
-    shard,
+    scale_collectives,
+    shard_with_optimizer,
+    train_and_count,
 )
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
@@ -49,15 +45,6 @@ USAGES = (
 )
 
 
-def scale_collectives(counter: CollectiveCounter) -> int:
-    return sum(
-        1
-        for r in counter.records
-        if (str(r.kind) == "all_reduce" and r.reduce_op == "max")
-        or (str(r.kind) == "all_gather" and r.dtype == torch.float64)
-    )
-
-
 def _convert(model: nn.Module, case: Case, usage: str) -> None:
     config = float8_config(case, all_gather=case.fp8_all_gather)
     if usage == "converted_container":
@@ -69,44 +56,40 @@ def _convert(model: nn.Module, case: Case, usage: str) -> None:
         convert_to_float8_training(model, config=config, module_filter_fn=float8_filter)
 
 
-def _explicit(model: nn.Module, case: Case) -> None:
-    if case.scaling == "delayed":
-        sync_float8_amax_and_scale_history(model)
-    else:
-        precompute_float8_dynamic_scale_for_fsdp(model)
+def _half_batches(model: nn.Module, case: Case, x: torch.Tensor) -> torch.Tensor:
+    return sum(loss_of(model, case, half) / 2 for half in x.chunk(2))  # the same batch
 
 
 def _train(case: Case, usage: str, mesh, rank: int, world_size: int):
     model = build_model(case)
     _convert(model, case, usage)
-    shard(model, case, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    opt = shard_with_optimizer(model, case, mesh)
     other = nn.Linear(8, 8)  # an EMA / probe: an optimizer that holds no float8 weight
     other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     if usage == "reference":
         float8_step(model).disable()
-        _explicit(model, case)
+        explicit_refresh(model, case)
     if usage == "precompute_as_optimizer_post_hook":
-        opt.register_step_post_hook(lambda *_: _explicit(model, case))
-    losses, counts = [], []
-    for step in range(case.steps):
-        with CollectiveCounter() as counter:
-            x = batch(case, step, rank, world_size)
-            if usage == "gradient_accumulation":  # the same batch in two halves
-                loss = sum(loss_of(model, case, half) / 2 for half in x.chunk(2))
-            else:
-                loss = loss_of(model, case, x)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if usage in ("explicit_after_step", "reference"):
-                _explicit(model, case)
-            if usage == "unrelated_optimizer":
-                other(torch.randn(2, 8)).sum().backward()
-                other_opt.step()
-        losses.append(loss.item())
-        counts.append(scale_collectives(counter))
-    return losses, counts
+        opt.register_step_post_hook(lambda *_: explicit_refresh(model, case))
+
+    def after_step() -> None:
+        if usage in ("explicit_after_step", "reference"):
+            explicit_refresh(model, case)
+        if usage == "unrelated_optimizer":
+            other(torch.randn(2, 8)).sum().backward()
+            other_opt.step()
+
+    loss_fn = _half_batches if usage == "gradient_accumulation" else loss_of
+    return train_and_count(
+        model,
+        opt,
+        case,
+        rank,
+        world_size,
+        count=scale_collectives,
+        loss_fn=loss_fn,
+        after_step=after_step,
+    )
 
 
 def _grid(rank, world_size, cases_and_usages):

@@ -13,9 +13,7 @@ the same for every kind of damage).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import io
 import json
 import shutil
 from pathlib import Path
@@ -23,33 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from f8train.checkpoint import MANIFEST, Checkpointer, ModelOptimizerState
-from f8train.resume import find_resume
-from tests.distributed.launcher import cpu_mesh, run_distributed
+from tests.distributed.launcher import run_distributed
+from tests.f8train.checkpoint_setup import find_resume_outcome, model_and_optimizer, resume_args
 
 SETTINGS = {"recipe": "tensorwise", "scaling": "dynamic", "seed": 0}
 
 
-def _model_and_optimizer(world_size: int):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
-    mesh = cpu_mesh(world_size)
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
 def _full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
-
-
-def _args(out: Path, resume: str | None = None) -> argparse.Namespace:
-    return argparse.Namespace(
-        out=str(out), resume=resume, auto_resume=True, allow_recipe_change=False
-    )
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -87,18 +68,15 @@ DAMAGE = {
 
 def _decide(args: argparse.Namespace, ckpt: Checkpointer, settings: dict) -> dict:
     """find_resume's outcome: the step it resumes from, or the message it stopped with."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            point = find_resume(args, ckpt, settings)
-    except SystemExit as stop:
-        return {"stopped": str(stop), "stderr": err.getvalue()}
-    return {"step": point.step if point else None, "stderr": err.getvalue(), "point": point}
+    point, stopped, stderr = find_resume_outcome(args, ckpt, settings)
+    if stopped is not None:
+        return {"stopped": stopped, "stderr": stderr}
+    return {"step": point.step if point else None, "stderr": stderr, "point": point}
 
 
 def _cases(rank: int, world_size: int, tmp: str) -> dict:
     tmp_path = Path(tmp)
-    model, opt = _model_and_optimizer(world_size)
+    model, opt = model_and_optimizer(world_size)
     pristine = Checkpointer(tmp_path / "pristine" / "checkpoints", keep=3, is_main=rank == 0)
     saved = {}
     for step in (1, 2):
@@ -121,7 +99,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
     for name, damage in DAMAGE.items():
         ckpt = fresh(name, damage)
         before = _tree(ckpt.root)
-        outcome = _decide(_args(ckpt.root.parent), ckpt, SETTINGS)
+        outcome = _decide(resume_args(ckpt.root.parent), ckpt, SETTINGS)
         point = outcome.pop("point")
         if name == "flipped_tensor_byte":  # one load is enough: the same path for all
             ckpt.load(point.path, {"app": ModelOptimizerState(model, opt)})
@@ -134,19 +112,21 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
         results[name] = outcome
     ckpt = fresh("explicit", DAMAGE["truncated_shard"])
     before = _tree(ckpt.root)
-    results["explicit"] = _decide(_args(ckpt.root.parent, str(ckpt.path_for(2))), ckpt, SETTINGS)
+    results["explicit"] = _decide(
+        resume_args(ckpt.root.parent, str(ckpt.path_for(2))), ckpt, SETTINGS
+    )
     results["explicit"]["unchanged"] = _tree(ckpt.root) == before
     ckpt = fresh("none_intact", DAMAGE["deleted_shard"], step=1)
     shutil.rmtree(ckpt.path_for(2)) if rank == 0 else None
     dist.barrier()
     before = _tree(ckpt.root)
-    results["none_intact"] = _decide(_args(ckpt.root.parent), ckpt, SETTINGS)
+    results["none_intact"] = _decide(resume_args(ckpt.root.parent), ckpt, SETTINGS)
     results["none_intact"]["unchanged"] = _tree(ckpt.root) == before
     ckpt = fresh("only_unfinished", lambda ck: (ck / MANIFEST).unlink(), step=1)
     shutil.rmtree(ckpt.path_for(2)) if rank == 0 else None
     dist.barrier()
     before = _tree(ckpt.root)
-    results["only_unfinished"] = _decide(_args(ckpt.root.parent), ckpt, SETTINGS)
+    results["only_unfinished"] = _decide(resume_args(ckpt.root.parent), ckpt, SETTINGS)
     results["none_intact"]["unchanged"] = _tree(ckpt.root) == before
     results["only_unfinished"]["unchanged"] = _tree(ckpt.root) == before
     results["root"] = str(tmp_path)

@@ -31,29 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 import f8train.checkpoint as checkpoint_module
 from f8train.checkpoint import MANIFEST, Checkpointer, ModelOptimizerState, dcp_problem
-from f8train.resume import find_resume, saved_settings_from_run_json
-from tests.distributed.launcher import cpu_mesh, run_distributed
-
-
-def _model_and_optimizer(world_size: int):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
-    mesh = cpu_mesh(world_size)
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _args(out: Path, resume: str | None = None) -> argparse.Namespace:
-    return argparse.Namespace(
-        out=str(out), resume=resume, auto_resume=True, allow_recipe_change=False
-    )
+from f8train.resume import saved_settings_from_run_json
+from tests.distributed.launcher import run_distributed
+from tests.f8train.checkpoint_setup import find_resume_outcome, model_and_optimizer, resume_args
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -72,21 +55,18 @@ def _same_files_maybe_renamed(before: dict[str, bytes], after: dict[str, bytes])
 
 
 def _decide(args: argparse.Namespace, ckpt: Checkpointer, settings: dict) -> dict:
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            point = find_resume(args, ckpt, settings)
-    except SystemExit as stop:
-        return {"stopped": str(stop), "stderr": err.getvalue()}
+    point, stopped, stderr = find_resume_outcome(args, ckpt, settings)
+    if stopped is not None:
+        return {"stopped": stopped, "stderr": stderr}
     if point is None:
-        return {"step": None, "stderr": err.getvalue()}
+        return {"step": None, "stderr": stderr}
     aside = [p.name for p in point.set_aside]
     return {"step": point.step, "unverified": point.unverified, "aside": aside}
 
 
 def _cases(rank: int, world_size: int, tmp: str) -> dict:
     tmp_path = Path(tmp)
-    model, opt = _model_and_optimizer(world_size)
+    model, opt = model_and_optimizer(world_size)
     run_settings = saved_settings_from_run_json(tmp_path / "no_such_run.json")
     assert run_settings is None
     pristine = Checkpointer(tmp_path / "pristine" / "checkpoints", keep=5, is_main=rank == 0)
@@ -116,9 +96,9 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
         results[name]["unchanged"] = before == _files(ckpt.root)
 
     ckpt = fresh("legacy_newest", no_manifest=(3,))
-    case("legacy_newest", ckpt, _args(ckpt.root.parent), settings)
+    case("legacy_newest", ckpt, resume_args(ckpt.root.parent), settings)
     ckpt = fresh("legacy_only", no_manifest=(1, 2, 3))
-    case("legacy_only", ckpt, _args(ckpt.root.parent), settings)
+    case("legacy_only", ckpt, resume_args(ckpt.root.parent), settings)
 
     ckpt = fresh("legacy_explicit", no_manifest=(3,))
     if rank == 0:  # the run.json the legacy run wrote next to its checkpoints
@@ -128,11 +108,11 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
     legacy = str(ckpt.path_for(3))
     this_run = saved_settings_from_run_json(ckpt.root.parent / "run.json")
     other_seed = dict(this_run, seed=1)
-    case("legacy_other_seed", ckpt, _args(ckpt.root.parent, legacy), other_seed)
-    case("legacy_explicit", ckpt, _args(ckpt.root.parent, legacy), this_run)
+    case("legacy_other_seed", ckpt, resume_args(ckpt.root.parent, legacy), other_seed)
+    case("legacy_explicit", ckpt, resume_args(ckpt.root.parent, legacy), this_run)
 
     ckpt = fresh("rollback")
-    case("rollback", ckpt, _args(ckpt.root.parent, str(ckpt.path_for(1))), settings)
+    case("rollback", ckpt, resume_args(ckpt.root.parent, str(ckpt.path_for(1))), settings)
 
     ckpt = fresh("save_over", no_manifest=(1, 3))
     if rank == 0:  # an interrupted save: DCP's files, but no .metadata
