@@ -10,8 +10,11 @@ zeros too), never on rank-local state. One collective per reduction group:
   (`DelayedScalingState.apply_reduced`). A MAX over ranks of `ran` and `-ran` tells on the
   device whether the layer ran everywhere (roll), nowhere (keep), or on some ranks only (an
   error on every rank, not a hang).
-The first collective of a group is an all_gather that also carries the config fingerprint
-(`rank_agreement`): ranks that converted differently get a ValueError naming the field.
+A refresh that is not the steady one after an optimizer step (the first of a group, one
+before a forward, an explicit call) is preceded by the store handshake of `rank_agreement`
+(the first one also compares the config fingerprints): a rank that is missing or converted
+differently gets an error, not an abort. Without a store (the fake backend) the first
+collective of a group is an all_gather that carries the fingerprint instead.
 
 What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 """
@@ -22,6 +25,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -30,7 +34,7 @@ from fsdp_float8.core.config import Operand
 from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
 from fsdp_float8.experts.modules import Float8ExpertsBase
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
-from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint
+from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint, handshake
 from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
 from fsdp_float8.nn.linear import Float8Linear
 
@@ -130,27 +134,38 @@ def collectives(grouped: dict[Group, list[Unit]]) -> int:
 
 
 @torch.no_grad()
-def refresh_units(grouped: dict[Group, list[Unit]], delayed_due: set[int]) -> tuple[int, int]:
+def refresh_units(
+    grouped: dict[Group, list[Unit]], delayed_due: set[int], handshake_at: str | None = None
+) -> tuple[int, int]:
     """Refresh every dynamic weight of the units and sync the delayed layers whose state's
-    id is in `delayed_due`: one collective per reduction group. Returns (weights, delayed
-    operands)."""
+    id is in `delayed_due`: one collective per reduction group. `handshake_at` (what the
+    refresh is, for errors) asks for the store handshake first; the first refresh of a
+    group always has one. Returns (weights, delayed operands)."""
     counts = [0, 0]
     for group, members in grouped.items():
-        n_weights, n_delayed = _refresh_group(members, group, delayed_due)
+        n_weights, n_delayed = _refresh_group(members, group, delayed_due, handshake_at)
         counts[0] += n_weights
         counts[1] += n_delayed
     return counts[0], counts[1]
 
 
-def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int]):
+def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: str | None):
     columns, weights, states = _slot_columns(units, delayed_due)
     ran = columns[len(_SLOTS)]
     vector = torch.cat([*columns, -ran])
-    if group_of(group) is not None and not all(u.module in _checked for u in units if u.float8):
-        pairs = [(u.fqn, u.module, u.name) for u in units]
-        head = fingerprint(pairs).to(vector.device)
-        rows = gather_rows(torch.cat([head, vector.to(torch.float64)]), group)
-        check_agreement(rows[:, : len(FIELDS)], group_of(group))
+    pg = group_of(group)
+    check = pg is not None and not all(u.module in _checked for u in units if u.float8)
+    head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
+    if pg is not None and (check or at) and dist.get_world_size(pg) > 1:
+        if handshake(pg, head, at or "first refresh of the float8 step") and check:
+            _checked.update(u.module for u in units if u.float8)
+            check = False
+    if not (check or weights or states):  # checked, nothing to reduce (e.g. rowwise)
+        return 0, 0
+    if check:  # no store: the fingerprint travels in the collective
+        assert head is not None  # set with `check`
+        rows = gather_rows(torch.cat([head.to(vector.device), vector.to(torch.float64)]), group)
+        check_agreement(rows[:, : len(FIELDS)], pg)
         reduced = rows[:, len(FIELDS) :].amax(dim=0).to(torch.float32)
         _checked.update(u.module for u in units if u.float8)
     else:

@@ -145,11 +145,9 @@ def shard(model: nn.Module, case: Case, mesh) -> nn.Module:
 
 
 def fsdp_all_gathers(counter) -> int:
-    """All-gathers issued by FSDP2: all but the float8 refresh's float64 one (the first
-    refresh of a model gathers its config fingerprint with the amaxes)."""
-    return sum(
-        1 for r in counter.records if str(r.kind) == "all_gather" and r.dtype != torch.float64
-    )
+    """All-gathers issued by FSDP2 (the float8 step issues none: its rank check goes through
+    the store)."""
+    return sum(1 for r in counter.records if str(r.kind) == "all_gather")
 
 
 def convert(model: nn.Module, case: Case, *, all_gather: bool) -> nn.Module:
@@ -178,13 +176,8 @@ def explicit_refresh(model: nn.Module, case: Case) -> None:
 
 def scale_collectives(counter: CollectiveCounter) -> int:
     """The scale collectives among those counted: all-reduces with MAX (a refresh vector,
-    or a weight's own amax) and float64 all-gathers (the first refresh, with the rank check)."""
-    return sum(
-        1
-        for r in counter.records
-        if (str(r.kind) == "all_reduce" and r.reduce_op == "max")
-        or (str(r.kind) == "all_gather" and r.dtype == torch.float64)
-    )
+    or a weight's own amax; the ranks' configs are compared through the store)."""
+    return sum(1 for r in counter.records if str(r.kind) == "all_reduce" and r.reduce_op == "max")
 
 
 def train_and_count(

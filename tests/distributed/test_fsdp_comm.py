@@ -4,10 +4,10 @@ Counted at the dispatcher with `CollectiveCounter`, on 2 ranks:
 - float8 all-gather: each converted weight travels at 1 byte per element, in forward and
   in backward after reshard (a tensorwise scale travels in no collective: every rank
   derives the same; rowwise row scales add 4 bytes per row inside the same payload);
-- the float8 refresh (the converted root's forward pre-hook, no float8 call in the loop):
-  exactly one collective per step, before the forward, for 2 or 8 layers, dynamic or
-  delayed; on the first step it is the all_gather that also checks the ranks' configs
-  (float64), then an all-reduce; none in backward or after the optimizer step;
+- the float8 refresh (no float8 call in the loop): exactly one all-reduce per step, in the
+  optimizer step (the float8 step's post hook), for 2 or 8 layers, dynamic or delayed, and
+  one more before the first forward (the ranks' configs are compared through the store, no
+  collective); none in backward; rowwise: none at all;
 - without the hook each float8-gathered weight all-reduces its own amax per all-gather.
 """
 
@@ -74,12 +74,10 @@ def _step_stats(rank, world_size, case: Case, steps: int = 3) -> dict:
 
 
 def _phase(c: CollectiveCounter) -> dict:
-    fp64 = [r for r in c.records if r.dtype == torch.float64]  # the refresh's config check
     return {
-        "all_gather_bytes": c.bytes("all_gather") - sum(r.bytes for r in fp64),
+        "all_gather_bytes": c.bytes("all_gather"),
         "all_gather": fsdp_all_gathers(c),
         "all_reduce": c.count("all_reduce"),
-        "refresh": c.count("all_reduce") + len(fp64),
         "reduce_scatter": c.count("reduce_scatter"),
     }
 
@@ -124,20 +122,18 @@ def test_collective_bytes_and_counts(tmp_path):
             assert s["bwd"]["all_gather_bytes"] == exp["blocks"] + exp["root"], case.name
             assert s["fwd"]["all_gather"] == n_blocks[case] + 1
 
-    # the refresh: 1 collective per step, in the optimizer step (the float8 step's post
-    # hook), none in forward or backward, any depth, dynamic or delayed; before the first
-    # forward, one check of the ranks' configs (a float64 all-gather)
+    # the refresh: 1 all-reduce per step, in the optimizer step (the float8 step's post
+    # hook), none in backward, any depth, dynamic or delayed; before the first forward,
+    # the first scales (the ranks' configs are compared through the store: no collective)
     for case in (FP8_AG, FP8_AG_BF16, PRECOMPUTE_8_LAYERS, DELAYED):
         for step, s in enumerate(by_case[case]["steps"]):
-            phases = (s["fwd"]["refresh"], s["bwd"]["refresh"], s["post"]["refresh"])
+            phases = (s["fwd"]["all_reduce"], s["bwd"]["all_reduce"], s["post"]["all_reduce"])
             assert phases == (int(step == 0), 0, 1), (case.name, step)
-            assert s["fwd"]["all_reduce"] == 0 and s["post"]["all_reduce"] == 1, (case.name, step)
+            assert s["fwd"]["all_gather"] == n_blocks[case] + 1  # FSDP2's alone
 
-    # rowwise weights: row scales are local to the shard, no amax collective at all (the
-    # first forward's config check aside)
+    # rowwise weights: row scales are local to the shard, no amax collective at all
     for case in (ROWWISE, ROWWISE_GW_HP):
-        for step, s in enumerate(by_case[case]["steps"]):
-            assert sum(s[phase]["refresh"] for phase in ("fwd", "bwd", "post")) == (step == 0)
+        for s in by_case[case]["steps"]:
             assert sum(s[phase]["all_reduce"] for phase in ("fwd", "bwd", "post")) == 0
 
     # without the refresh hook: one amax all-reduce per float8 weight per all-gather

@@ -8,8 +8,10 @@ ranks. A short per-test timeout turns a hang (what the old code did) into a fail
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,6 +20,7 @@ from fsdp_float8 import (
     CastConfig,
     Float8LinearConfig,
     convert_to_float8_training,
+    float8_step,
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
@@ -137,3 +140,62 @@ def _precompute_on_rank_0_only(rank, world_size):
 def test_precompute_on_one_rank_only_is_matched_by_the_hook(tmp_path):
     r0, r1 = run_distributed(_precompute_on_rank_0_only, 2, tmp_path, timeout_s=60)
     assert r0[1] == r1[1] and len(r0[1]) == 2 * MLP.n_layers
+
+
+# -- a refresh one rank starts alone: an error naming the missing ranks, not a gloo abort ------
+def _error_of(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except RuntimeError as e:  # rank 0: the handshake; rank 1: gloo once rank 0 has left
+        return str(e)
+    return None
+
+
+def _never_converted(rank, world_size):
+    os.environ["FSDP_FLOAT8_RANK_WAIT_S"] = "5"
+
+    def run():
+        model = build_model(MLP)
+        if rank == 0:  # rank 1 forgot to convert: its all-gathers carry bf16 weights
+            convert_to_float8_training(model, config=TENSORWISE)
+        shard(model, MLP, cpu_mesh(world_size))
+        loss_of(model, MLP, batch(MLP, 0, rank, world_size)).backward()
+
+    return _error_of(run)
+
+
+def test_a_rank_that_never_converted_gets_an_error(tmp_path):
+    rank0, rank1 = run_distributed(_never_converted, 2, tmp_path, timeout_s=90)
+    assert rank0 is not None and "ranks [1] of [0, 1], which never reached it" in rank0, rank0
+    assert "convert_to_float8_training before fully_shard" in rank0
+    assert rank1 is not None  # a Python error (the peer left), not a signal
+
+
+def _one_rank_alone(rank, world_size, how):
+    os.environ["FSDP_FLOAT8_RANK_WAIT_S"] = "5"
+    model = _one_step(rank, world_size, TENSORWISE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if how == "precompute, step off":
+        float8_step(model).disable()
+    opt.step()
+
+    def alone():
+        if rank == 0:
+            if how == "precompute, step off":
+                precompute_float8_dynamic_scale_for_fsdp(model)  # stale: a refresh
+            else:  # an in-place rollback on rank 0 only, then the next training forward
+                with torch.no_grad():
+                    for t in model.state_dict().values():
+                        t.to_local().mul_(0.5)
+                loss_of(model, MLP, batch(MLP, 1, rank, world_size))
+        dist.all_reduce(torch.ones(1))  # rank 1: e.g. logging the loss
+
+    return _error_of(alone)
+
+
+@pytest.mark.parametrize("how", ["precompute, step off", "in-place write on one rank"])
+def test_a_refresh_on_one_rank_alone_gets_an_error(tmp_path, how):
+    rank0, rank1 = run_distributed(_one_rank_alone, 2, tmp_path, how, timeout_s=90)
+    assert rank0 is not None and "ranks [1] of [0, 1], which never reached it" in rank0, rank0
+    assert "on some ranks only" in rank0
+    assert rank1 is not None

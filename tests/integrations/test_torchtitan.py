@@ -119,9 +119,12 @@ def test_converted_weights_are_gathered_at_one_byte_per_element(runs) -> None:
 
 @pytest.mark.parametrize("run", ["float8", "override"])
 def test_one_scale_collective_per_step(runs, run: str) -> None:
+    # step 1 also has the first scales, before its forward (the ranks' configs are
+    # compared through the store: no collective)
     for rank in range(2):
         for ref, f8 in zip(runs["bf16"][rank], runs[run][rank]):
-            assert _max_reduces(f8) == _max_reduces(ref) + 1, f8["step"]
+            extra = 2 if f8["step"] == 1 else 1
+            assert _max_reduces(f8) == _max_reduces(ref) + extra, f8["step"]
 
 
 def test_resume_from_the_step_3_checkpoint_is_exact(runs) -> None:
