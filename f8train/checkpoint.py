@@ -119,9 +119,7 @@ def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> dict[s
         n: {"bytes": (path / n).stat().st_size, "sha256": _sha256(path / n)}
         for n in names[rank::world]
     }
-    files: dict[str, Any] = {}
-    for part in all_gather_object(mine):
-        files.update(part)
+    files = {k: v for part in all_gather_object(mine) for k, v in part.items()}
     manifest = {
         "format": FORMAT,
         "step": step,

@@ -1,17 +1,15 @@
 """Training data with no download: byte-level tokens, deterministic batches for any world size.
 
-A corpus (``load_tokens``) is one flat token array plus ``val_start``: the last
-``val_fraction`` of the stream is the validation split. Sources: by default the running
-Python's stdlib ``*.py`` files (site-packages excluded), or a text file, or a folder of text
-files, each read as bytes (token id = byte value, vocab 256; folders and the stdlib are
-concatenated once into a ``.u16.bin`` cache, written under a temporary name and renamed);
-or a pre-tokenized uint16/uint32 file (``.u16.bin``/``.u32.bin`` or ``token_dtype``). A text
-file holding NUL bytes is refused: it is a token file named otherwise.
+A corpus (``load_tokens``) is one flat token array whose last ``val_fraction`` is the
+validation split. Sources: the running Python's stdlib ``*.py`` files (the default), a text
+file or a folder of text files, read as bytes (token id = byte value, vocab 256; folders and
+the stdlib are concatenated once into a ``.u16.bin`` cache, renamed into place), or a
+pre-tokenized uint16/uint32 file. A text file holding NUL bytes is refused.
 
 ``TokenBatcher``: step ``s``'s global batch is ``global_batch`` windows of ``seq_len + 1``
 tokens at offsets from ``numpy.random.default_rng([seed, s])``; rank ``r`` takes rows
-``[r * local, (r + 1) * local)``. So the batches depend on (corpus, seed, step, layout),
-never on the world size, and a resumed run at any world size sees the same batches.
+``[r * local, (r + 1) * local)``. The batches depend on (corpus, seed, step, layout), never
+on the world size, so a resumed run at any world size sees the same batches.
 ``ValidationBatches``: fixed consecutive windows from the start of the validation split.
 """
 

@@ -106,15 +106,11 @@ def parse_static_scales(text: str | None) -> dict[str, float]:
 def float8_filter(skip_patterns: list[str]):
     """Convert the linears inside the blocks whose dims are multiples of 16, except those
     matching a ``--float8-skip`` glob; the output head always stays high precision."""
-
-    def accept(module: nn.Module, fqn: str) -> bool:
-        if not fqn.startswith("blocks."):
-            return False
-        if any(fnmatch.fnmatchcase(fqn, p) for p in skip_patterns):
-            return False
-        return dims_divisible_by_16(module, fqn)
-
-    return accept
+    return lambda module, fqn: (
+        fqn.startswith("blocks.")
+        and not any(fnmatch.fnmatchcase(fqn, p) for p in skip_patterns)
+        and dims_divisible_by_16(module, fqn)
+    )
 
 
 def expert_filter(skip_patterns: list[str]):

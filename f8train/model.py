@@ -332,8 +332,6 @@ def num_params(model: nn.Module, exclude_embedding: bool = True) -> int:
     that is the head too; ``param_count`` is the one for FLOPs)."""
     total = sum(p.numel() for p in model.parameters())  # parameters() is deduplicated
     if exclude_embedding:
-        embeddings = {
-            id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)
-        }
-        total -= sum(embeddings.values())
+        embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+        total -= sum({id(w): w.numel() for w in embeddings}.values())
     return total

@@ -1,21 +1,16 @@
 """Which checkpoint a run resumes from, chosen and checked before the model is built.
 
-``find_resume`` is a collective: every rank reaches the same answer. It picks a checkpoint,
-verifies its files against their manifest, then compares the settings the checkpoint
-depends on (``checkpoint_settings``: model shape, float8 recipe and scaling, float8
-all-gather, skipped layers, data layout) with this run's. No folder DCP could load is deleted:
-
-- ``--resume CKPT``: exactly that one. Damaged: the run stops naming each damaged file and
-  the newest intact checkpoint before it. Without a manifest but with all DCP files: used
-  unverified, its settings read from its run's ``run.json``.
-- ``--resume`` or auto-resume: the newest intact checkpoint; a damaged newer one is renamed
-  ``step_N.damaged`` and the run falls back, saying so. None intact, or a newer folder in
-  doubt (DCP files, no manifest): the run stops, renaming nothing, and says how to go on.
-- Checkpoints newer than the one resumed from are renamed ``step_N.set_aside``.
-- Settings that differ stop the run naming each flag with both values. Flags that do not
-  shape the state (``--steps``, ``--lr``, the world size, ...) may change;
-  ``--allow-recipe-change`` waives ``--recipe``, ``--fp8-all-gather`` and ``--float8-skip``
-  (weights are stored in high precision) unless either run uses delayed scaling.
+``find_resume`` is a collective (every rank reaches the same answer): it picks a checkpoint,
+verifies its files against their manifest, and compares the settings it depends on
+(``checkpoint_settings``: model shape, float8 recipe, scaling and all-gather, skipped layers,
+data layout) with this run's. ``--resume CKPT`` takes exactly that one (damaged: the run
+stops, naming each file and the newest intact one before it; without a manifest but whole:
+used unverified, compared with its ``run.json``). Otherwise the newest intact one; a damaged
+newer one is renamed ``step_N.damaged``; a newer one in doubt (DCP files, no manifest) stops
+the run. Newer checkpoints than the one resumed from are renamed ``step_N.set_aside``: no
+folder DCP could load is deleted. Differing settings stop the run, naming each flag;
+``--allow-recipe-change`` waives ``--recipe``, ``--fp8-all-gather`` and ``--float8-skip``
+(weights are stored in high precision) unless either run uses delayed scaling.
 """
 
 from __future__ import annotations

@@ -24,18 +24,22 @@ from f8train.model import PRESETS
 from f8train.process_group import DEFAULT_TIMEOUT_S
 
 
-def number(kind: type, low: float, *, above: bool = False, high: float | None = None) -> Callable:
+def number(kind: type, low: float, *, above=False, high=None, below=False) -> Callable:
     """An argparse type: a finite ``kind`` (int or float) ``>= low`` (``> low`` with
-    ``above``), ``<= high`` when given; its error message names the expected range."""
+    ``above``) and ``<= high`` (``< high`` with ``below``) when given; its error message
+    names the expected range."""
     word = "an integer" if kind is int else "a number"
     bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+    if above and below:
+        bound = f"in ({low:g}, {high:g})"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {word} {bound}, got {text!r}") from None
-        fits = (value > low if above else value >= low) and (high is None or value <= high)
+            value = math.nan
+        fits = value > low if above else value >= low
+        fits = fits and (high is None or (value < high if below else value <= high))
         if not (math.isfinite(value) and fits):
             raise argparse.ArgumentTypeError(f"expected {word} {bound}, got {text!r}")
         return value
@@ -44,19 +48,10 @@ def number(kind: type, low: float, *, above: bool = False, high: float | None = 
     return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}")
-    return value
-
-
 DEFAULT_DELAYED_HISTORY = 16
 POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
 POS_FLOAT, NONNEG_FLOAT = number(float, 0, above=True), number(float, 0)
+FRACTION = number(float, 0, above=True, high=1, below=True)
 FLAG, BOOL, HIDDEN = "store_true", argparse.BooleanOptionalAction, argparse.SUPPRESS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # group -> rows of (flag, type / action / choices, default, help[, metavar]); docs/trainer.md
@@ -123,7 +118,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--data", None, None, "text file, folder, or .u16.bin/.u32.bin (default: stdlib)"),
         ("--cache-dir", None, None, f"default {default_cache_dir()}"),
         ("--token-dtype", ("uint16", "uint32"), None, None),
-        ("--val-fraction", _fraction, 0.01, "in (0, 1)"),
+        ("--val-fraction", FRACTION, 0.01, "the share of the tokens held out for validation"),
     ],
 }
 
