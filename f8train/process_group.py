@@ -3,8 +3,8 @@ object collectives with which its ranks agree.
 
 ``init_distributed`` turns the environment into a ``Dist`` (rank, world, device, meshes).
 Three ways in: torchrun's environment (env:// rendezvous), a restarted torchrun attempt
-(its own key prefix on the agent's store, see ``_restarted_on_agent_store``), or a plain
-``python -m`` start (one rank, in-memory store).
+(its own key prefix on the agent's store), or a plain ``python -m`` start (one rank, an
+in-memory store).
 """
 
 from __future__ import annotations

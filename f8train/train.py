@@ -199,10 +199,9 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.d.device)
         for inputs, targets in self.val:
-            logits = self.model(inputs.to(self.d.device)).float()
-            total[0] += F.cross_entropy(
-                logits.flatten(0, 1), targets.to(self.d.device).flatten(), reduction="sum"
-            )
+            logits = self.model(inputs.to(self.d.device)).float().flatten(0, 1)
+            targets = targets.to(self.d.device).flatten()
+            total[0] += F.cross_entropy(logits, targets, reduction="sum")
             total[1] += targets.numel()
         dist.all_reduce(total)
         self.model.train()
