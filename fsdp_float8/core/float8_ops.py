@@ -18,7 +18,6 @@ from collections.abc import Callable
 import torch
 
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemm import _cpu_scaled_mm as _cpu_scaled_mm  # f8train.count_kernels
 from fsdp_float8.core.gemm import scaled_mm_data
 
 aten = torch.ops.aten
