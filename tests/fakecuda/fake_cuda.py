@@ -167,7 +167,7 @@ class _HookedGraph:
     def function_apply(self, cls, *args, **kwargs):
         """autograd.Function.apply, noting which inputs are tensors: backward returns one
         value per input, the graph has an edge per tensor input only."""
-        out = _FUNCTION_APPLY(cls, *args, **kwargs)
+        out = _FUNCTION_APPLY.__get__(None, cls)(*args, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         node = next((o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn), None)
         if node is not None:
@@ -176,7 +176,9 @@ class _HookedGraph:
 
 
 _GRAPH: _HookedGraph | None = None
-_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+# a classmethod up to torch 2.14, a C classmethod_descriptor (no __func__) from 2.15: both
+# bind to a class through __get__
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]
 
 
 def _placeholder(dtype: torch.dtype, truth: bool):
