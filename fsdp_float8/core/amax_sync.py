@@ -45,20 +45,6 @@ def reduce_amaxes(amaxes: list[torch.Tensor], group: Group) -> torch.Tensor:
     return all_reduce_amax_(stacked, group)
 
 
-def gather_rows(payload: torch.Tensor, group: Group) -> torch.Tensor:
-    """(ranks, n): every rank's 1-D `payload`, one all_gather (no collective without a
-    group). A MAX over dim 0 equals all_reduce(MAX) bit for bit: the max is exact."""
-    pg = group_of(group)
-    if pg is None or dist.get_world_size(pg) == 1:
-        return payload.unsqueeze(0)
-    n = dist.get_world_size(pg)
-    out = payload.new_empty(n * payload.numel())
-    # all_gather_single is torch >= 2.12's name for all_gather_into_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(out, payload.contiguous(), group=pg)
-    return out.view(n, payload.numel())
-
-
 def shard_group(param: torch.Tensor, dims: tuple[int, ...] | None, default: Group) -> Group:
     """Where an amax over `dims` of a parameter's local shard must be reduced: the mesh dims
     of its DTensor whose placement shards one of `dims` (None: all dims, a tensorwise amax).

@@ -12,8 +12,8 @@ carries the config fingerprint: `fingerprint(weights)` hashes each setting over 
 linear and expert weight into one float64 per field, and ranks that converted differently
 (another recipe, scaling type, static scale, float8 all-gather on one rank only, another
 module filter) get a ValueError on every rank naming each field and the ranks holding each
-value. Without a usable store (the fake backend) the fingerprint travels in the refresh
-collective instead (`check_agreement` on the gathered rows).
+value. The fake backend (one process playing one rank) has no usable store and is not
+checked.
 """
 
 from __future__ import annotations
@@ -109,13 +109,13 @@ def _wait_s(store: dist.Store) -> float:
         ) from None
 
 
-def handshake(pg: dist.ProcessGroup, head: torch.Tensor | None, what: str) -> bool:
+def handshake(pg: dist.ProcessGroup, head: torch.Tensor | None, what: str) -> None:
     """Wait until every rank of `pg` reached the same refresh (`what` names it in errors);
-    with `head` (this rank's `fingerprint`), also check that the ranks agree. Returns False
-    when the group has no usable store (nothing was checked)."""
+    with `head` (this rank's `fingerprint`), also check that the ranks agree. Nothing to
+    check without a usable store (the fake backend)."""
     store = _store_of(pg)
     if store is None:
-        return False
+        return
     ranks = dist.get_process_group_ranks(pg)
     me = dist.get_rank()
     key = hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
@@ -150,7 +150,6 @@ def handshake(pg: dist.ProcessGroup, head: torch.Tensor | None, what: str) -> bo
     if head is not None and int(store.add(f"{prefix}/{seq}/differ", 0)):
         rows = [_row(store.get(f"{prefix}/{seq}/{r}").decode()) for r in ranks]
         check_agreement(torch.tensor(rows, dtype=torch.float64), pg)
-    return True
 
 
 def _row(text: str) -> list[float]:

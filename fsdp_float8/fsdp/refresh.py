@@ -13,8 +13,7 @@ zeros too), never on rank-local state. One collective per reduction group:
 A refresh that is not the steady one after an optimizer step (the first of a group, one
 before a forward, an explicit call) is preceded by the store handshake of `rank_agreement`
 (the first one also compares the config fingerprints): a rank that is missing or converted
-differently gets an error, not an abort. Without a store (the fake backend) the first
-collective of a group is an all_gather that carries the fingerprint instead.
+differently gets an error, not an abort. A group with nothing to reduce issues no collective.
 
 What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 """
@@ -29,12 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, gather_rows, group_of
+from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, group_of
 from fsdp_float8.core.config import Operand
 from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
 from fsdp_float8.experts.modules import Float8ExpertsBase
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
-from fsdp_float8.fsdp.rank_agreement import FIELDS, check_agreement, fingerprint, handshake
+from fsdp_float8.fsdp.rank_agreement import fingerprint, handshake
 from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
 from fsdp_float8.nn.linear import Float8Linear
 
@@ -150,26 +149,17 @@ def refresh_units(
 
 
 def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: str | None):
-    columns, weights, states = _slot_columns(units, delayed_due)
-    ran = columns[len(_SLOTS)]
-    vector = torch.cat([*columns, -ran])
     pg = group_of(group)
-    check = pg is not None and not all(u.module in _checked for u in units if u.float8)
-    head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
-    if pg is not None and (check or at) and dist.get_world_size(pg) > 1:
-        if handshake(pg, head, at or "first refresh of the float8 step") and check:
+    if pg is not None and dist.get_world_size(pg) > 1:
+        check = not all(u.module in _checked for u in units if u.float8)
+        if check or at:
+            head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
+            handshake(pg, head, at or "first refresh of the float8 step")
             _checked.update(u.module for u in units if u.float8)
-            check = False
-    if not (check or weights or states):  # checked, nothing to reduce (e.g. rowwise)
+    columns, weights, states = _slot_columns(units, delayed_due)
+    if not (weights or states):  # nothing to reduce (e.g. rowwise)
         return 0, 0
-    if check:  # no store: the fingerprint travels in the collective
-        assert head is not None  # set with `check`
-        rows = gather_rows(torch.cat([head.to(vector.device), vector.to(torch.float64)]), group)
-        check_agreement(rows[:, : len(FIELDS)], pg)
-        reduced = rows[:, len(FIELDS) :].amax(dim=0).to(torch.float32)
-        _checked.update(u.module for u in units if u.float8)
-    else:
-        reduced = all_reduce_amax_(vector, group)
+    reduced = all_reduce_amax_(torch.cat([*columns, -columns[len(_SLOTS)]]), group)
     table = reduced.view(len(_SLOTS) + 2, len(units))
     for i, w in weights:  # reduced above: the scale path without a group
         pow2 = w.strategy.power_of_2
