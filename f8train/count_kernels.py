@@ -25,8 +25,6 @@ import pickle
 import tempfile
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8train.bench_common import (
@@ -37,6 +35,7 @@ from f8train.bench_common import (
     write_json,
 )
 from f8train.bench_fsdp import PRESETS, build, convert, train_step
+from f8train.model import FeedForward
 from fsdp_float8.core.gemm import _cpu_scaled_mm
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
@@ -49,17 +48,6 @@ _COUNTED = ("aten", "fsdp_float8")
 _OPENED_OPS = {torch.ops.fsdp_float8.cpu_scaled_mm.default: _cpu_scaled_mm}
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 def compiled_kernel_count(lib: str, recipe: str) -> int:
     """Inductor kernels of the SwiGLU block's forward + backward (`recipe` "bf16": none)."""
     import torch._inductor.config as inductor_config
@@ -67,7 +55,7 @@ def compiled_kernel_count(lib: str, recipe: str) -> int:
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = SwiGLU(BLOCK["dim"], BLOCK["hidden"]).to(torch.bfloat16)
+    model = FeedForward(BLOCK["dim"], BLOCK["hidden"]).to(torch.bfloat16)
     if recipe != "bf16":
         convert(model, lib, recipe, module_filter_fn=None)
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
