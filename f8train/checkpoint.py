@@ -1,18 +1,11 @@
-"""Checkpoints of ``f8train/train.py``: one DCP folder ``OUT/checkpoints/step_00000042/``.
+"""Checkpoints of ``f8train.train``: one DCP folder per save, ``OUT/checkpoints/step_00000042/``.
 
-It holds ``app`` (model and optimizer from ``get_state_dict``: sharded DTensors, delayed
-scaling buffers included; DCP reshards on load, so a 2-rank checkpoint loads on 1 or 4),
-``scheduler`` (without its lambda), ``batcher``, ``rng``, ``progress``, and, written after
-every rank's DCP files, ``manifest.json``: each file's size and sha256 (each rank hashes a
-share) and the run settings the checkpoint depends on. The manifest marks a finished save.
-``verify`` checks a folder against it; the findings are all-gathered, so every rank holds
-the same sorted list of damaged files and takes the same decision.
-
-A folder without a manifest is an interrupted save (``dcp_problem`` says why DCP could not
-load it) or a checkpoint *in doubt* (DCP's files all there). Nothing that could load is
-deleted: pruning removes complete checkpoints beyond the newest ``keep`` and interrupted
-saves; a save that finds a loadable folder in its way renames it ``step_N.set_aside``.
-Before each save the free disk space is checked against the last checkpoint's size.
+A save writes the ``Stateful`` objects below (DCP reshards on load: a 2-rank checkpoint loads
+on 1 or 4), then ``manifest.json``: each file's size and sha256 (each rank hashes a share)
+and the run settings. The manifest marks a finished save; ``verify`` checks a folder against
+it and gives every rank the same sorted findings. Nothing that could load is deleted: a
+folder without a manifest is an interrupted save only when ``dcp_problem`` finds why DCP
+could not load it; a loadable one in a save's way is renamed ``step_N.set_aside``.
 """
 
 from __future__ import annotations
@@ -24,6 +17,8 @@ import pickle
 import re
 import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,36 +92,32 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-# ---- the manifest ---------------------------------------------------------------------
-
-
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _each_rank_a_share(names: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
+    """``{name: fn(name)}`` over all ``names``, each rank computing a share (collective)."""
+    rank, world = rank_world()
+    mine = {n: fn(n) for n in names[rank::world]}
+    return {k: v for part in all_gather_object(mine) for k, v in part.items()}
+
+
 def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """Hash the saved folder (collective: each rank a share) and, on rank 0, write
-    ``manifest.json`` (to a temporary name, then renamed). Returns the manifest."""
-    path = Path(path)
+    """Hash the saved folder (collective) and, on rank 0, write ``manifest.json`` (to a
+    temporary name, then renamed). Returns the manifest."""
     rank, world = rank_world()
     names = None
     if rank == 0:
         found = (p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
         names = sorted(n for n in found if n != MANIFEST and not n.startswith(f"{MANIFEST}."))
-    names = broadcast_from_0(names)
-    mine = {
-        n: {"bytes": (path / n).stat().st_size, "sha256": _sha256(path / n)}
-        for n in names[rank::world]
-    }
-    files = {k: v for part in all_gather_object(mine) for k, v in part.items()}
-    manifest = {
-        "format": FORMAT,
-        "step": step,
-        "world_size": world,
-        "files": dict(sorted(files.items())),
-        "settings": settings,
-    }
+    files = _each_rank_a_share(
+        broadcast_from_0(names),
+        lambda n: {"bytes": (path / n).stat().st_size, "sha256": _sha256(path / n)},
+    )
+    manifest = {"format": FORMAT, "step": step, "world_size": world, "settings": settings}
+    manifest["files"] = dict(sorted(files.items()))
     if rank == 0:
         tmp = path / f"{MANIFEST}.tmp{os.getpid()}"
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
@@ -164,25 +155,20 @@ def _check(path: Path, name: str, expected: dict[str, Any]) -> str | None:
 def verify(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
     """Check a checkpoint against its manifest (collective, same answer on every rank).
     Returns the manifest and a sorted line per damaged file, ``file: what`` (none: intact)."""
-    path = Path(path)
-    rank, world = rank_world()
-    manifest, why = broadcast_from_0(read_manifest(path) if rank == 0 else (None, None))
+    manifest, why = broadcast_from_0(read_manifest(path) if rank_world()[0] == 0 else None)
     if manifest is None:
         return None, [f"{MANIFEST}: {why}"]
-    names = sorted(manifest["files"])
-    mine = [_check(path, n, manifest["files"][n]) for n in names[rank::world]]
-    found = [p for part in all_gather_object([p for p in mine if p is not None]) for p in part]
-    return manifest, sorted(found)
+    files = manifest["files"]
+    found = _each_rank_a_share(sorted(files), lambda n: _check(path, n, files[n]))
+    return manifest, sorted(p for p in found.values() if p is not None)
 
 
-# ---- what a checkpoint holds ----------------------------------------------------------
-
-
+@dataclass
 class ModelOptimizerState(Stateful):
     """Model + optimizer through DCP's state-dict helpers (FQNs without wrapper prefixes)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -197,11 +183,11 @@ class ModelOptimizerState(Stateful):
         )
 
 
+@dataclass
 class SchedulerState(Stateful):
     """An LR scheduler's counters, without ``lr_lambdas`` (rebuilt from the flags)."""
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-        self.scheduler = scheduler
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
@@ -226,20 +212,18 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(state_dict["cuda"])
 
 
+@dataclass
 class ProgressState(Stateful):
     """Where the run is: the last completed step and the tokens trained on so far."""
 
-    def __init__(self) -> None:
-        self.step = self.tokens = 0
+    step: int = 0
+    tokens: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens}
+        return asdict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step, self.tokens = int(state_dict["step"]), int(state_dict["tokens"])
-
-
-# ---- the folder of checkpoints --------------------------------------------------------
 
 
 class Checkpointer:
@@ -264,8 +248,11 @@ class Checkpointer:
         return [p for p in self.step_dirs() if self.is_complete(p)]
 
     def latest(self) -> Path | None:
-        found = self.complete()
-        return found[-1] if found else None
+        return next(reversed(self.complete()), None)
+
+    def may_load(self, path: Path) -> bool:
+        """Complete, or without a manifest but with every file DCP needs (in doubt)."""
+        return self.is_complete(path) or dcp_problem(path) is None
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -323,7 +310,7 @@ class Checkpointer:
     def _clear(self, path: Path) -> None:
         """Make room for a save at ``path``: a loadable folder is renamed aside (never
         deleted); an interrupted save, which DCP could not load, is removed."""
-        if self.is_complete(path) or dcp_problem(path) is None:
+        if self.may_load(path):
             new = aside_name(path, SET_ASIDE)
             path.rename(new)
             warn(
@@ -352,9 +339,7 @@ class Checkpointer:
         for old in complete[: max(0, len(complete) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
         for partial in self.step_dirs():
-            if self.is_complete(partial) or step_of(partial) >= newest:
-                continue
-            if dcp_problem(partial) is not None:
+            if step_of(partial) < newest and not self.may_load(partial):
                 shutil.rmtree(partial, ignore_errors=True)
 
 

@@ -1,15 +1,10 @@
 """Training data with no download: byte-level tokens, deterministic batches for any world size.
 
-A corpus (``load_tokens``) is one flat token array whose last ``val_fraction`` is the
-validation split. Sources: the running Python's stdlib ``*.py`` files (the default), a text
-file or a folder of text files, read as bytes (token id = byte value, vocab 256; folders and
-the stdlib are concatenated once into a ``.u16.bin`` cache, renamed into place), or a
-pre-tokenized uint16/uint32 file. A text file holding NUL bytes is refused.
-
-``TokenBatcher``: step ``s``'s global batch is ``global_batch`` windows of ``seq_len + 1``
-tokens at offsets from ``numpy.random.default_rng([seed, s])``; rank ``r`` takes rows
-``[r * local, (r + 1) * local)``. The batches depend on (corpus, seed, step, layout), never
-on the world size, so a resumed run at any world size sees the same batches.
+``load_tokens`` gives one flat token array (docs/trainer.md lists the sources) whose last
+``val_fraction`` is the validation split. ``TokenBatcher``: step ``s``'s global batch is
+``global_batch`` windows of ``seq_len + 1`` tokens at offsets drawn from
+``numpy.random.default_rng([seed, s])``, rank ``r`` taking rows ``[r * local, (r + 1) *
+local)``: the batches never depend on the world size, so a run resumes at any world size.
 ``ValidationBatches``: fixed consecutive windows from the start of the validation split.
 """
 
@@ -155,12 +150,9 @@ def load_tokens(
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction={val_fraction}; expected a float in (0, 1)")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    tokens, source, vocab_size = _load_source(
-        None if data is None else Path(data), cache, token_dtype
-    )
-    n = len(tokens)
-    val_start = n - max(1, int(n * val_fraction))
-    return TokenData(tokens=tokens, val_start=val_start, source=source, vocab_size=vocab_size)
+    tokens, source, vocab = _load_source(None if data is None else Path(data), cache, token_dtype)
+    val_start = len(tokens) - max(1, int(len(tokens) * val_fraction))
+    return TokenData(tokens, val_start, source, vocab)
 
 
 def check_token_ids(data: TokenData, vocab_size: int) -> None:
@@ -223,8 +215,7 @@ class TokenBatcher(_Layout):
 
     def __init__(self, tokens: np.ndarray, *, seed: int = 0, **layout) -> None:
         super().__init__(tokens, **layout)
-        self.seed = seed
-        self.step = 0
+        self.seed, self.step = seed, 0
 
     def global_offsets(self, step: int) -> np.ndarray:
         """Start offsets of all ``global_batch`` windows of ``step`` (same on every rank)."""
@@ -241,8 +232,7 @@ class TokenBatcher(_Layout):
         return _windows(self.tokens, offsets, self.seq_len)
 
     def state_dict(self) -> dict[str, int]:
-        keys = ("step", "seed", "seq_len", "global_batch")
-        return {key: getattr(self, key) for key in keys}
+        return {key: getattr(self, key) for key in ("step", "seed", "seq_len", "global_batch")}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at ``state["step"]``; the batch layout must match (world size may differ)."""

@@ -1,15 +1,11 @@
 """The Llama-style decoder-only transformer that float8 training runs on.
 
-``tokens -> tok_embeddings -> blocks -> norm -> output -> logits``; each block is pre-norm
-residual: ``h = x + attention(attention_norm(x))`` (q/k/v/o linears, RoPE, GQA, causal
-SDPA), ``out = h + feed_forward(ffn_norm(h))`` (SwiGLU, or ``f8train.moe.MoE`` when
-``ModelArgs.moe`` is set). Every matmul is a bias-free ``nn.Linear``, the layers the float8
-conversion swaps; ``blocks`` is an ``nn.ModuleList`` so FSDP2 shards each block.
-
-Build anywhere (``meta`` included), ``to_empty`` if needed, then ``init_weights(seed)``:
-each parameter is drawn on the CPU from a generator seeded by (seed, its name), so every
-rank, device and sharding layout gets the same values. ``param_count`` and
-``flops_per_token`` (for MFU) need only the shapes.
+``tokens -> tok_embeddings -> blocks -> norm -> output``; each block is pre-norm residual:
+attention (q/k/v/o linears, RoPE, GQA, causal SDPA), then a SwiGLU ``FeedForward`` or an
+``f8train.moe.MoE``. Every matmul is a bias-free ``nn.Linear`` (what the float8 conversion
+swaps); ``blocks`` is an ``nn.ModuleList`` so FSDP2 shards each block. Build anywhere (meta
+included), then ``init_weights(seed)``: each parameter is drawn from a generator seeded by
+(seed, its name), so every rank, device and sharding layout gets the same values.
 """
 
 from __future__ import annotations
@@ -174,8 +170,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
-        return normed * self.weight
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
 def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,26 +196,24 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        kv_dim = self.n_kv_heads * self.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        # the head counts follow from the linears' widths (a tensor-parallel shard holds
+        # 1/tp of them); each kv head serves `repeats` consecutive query heads
+        self.head_dim, self.repeats = args.head_dim, args.n_heads // args.kv_heads
+        kv_dim = args.kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
         self.wk = nn.Linear(args.dim, kv_dim, bias=False)
         self.wv = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        repeats = self.n_heads // self.n_kv_heads
-        if repeats > 1:  # each kv head serves `repeats` consecutive query heads
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
+        if self.repeats > 1:
+            k = k.repeat_interleave(self.repeats, dim=1)
+            v = v.repeat_interleave(self.repeats, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return self.wo(out.transpose(1, 2).flatten(2))
 
 
 class FeedForward(nn.Module):

@@ -1,14 +1,11 @@
-"""The mixture-of-experts feed-forward of ``f8train.model`` (DeepSeek-V3 / Qwen3-MoE style,
-no expert parallelism).
+"""The mixture-of-experts feed-forward of ``f8train.model`` (no expert parallelism).
 
-``router(x)`` gives float32 scores (softmax or sigmoid); each token goes to its ``top_k``
-experts, weights renormalised over the k; tokens sorted by expert run through
-``GroupedExperts`` (torchtitan's layout: ``w1``, ``w3`` ``(E, hidden, dim)``, ``w2``
-``(E, dim, hidden)``, which ``convert_to_float8_training`` swaps for
+A float32 router (a plain parameter, so it stays in high precision) sends each token to its
+``top_k`` experts, weights renormalised over the k; tokens sorted by expert run through
+``GroupedExperts`` (torchtitan's layout, which the float8 conversion swaps for
 ``Float8GroupedExperts``) and are scattered back; an optional dense shared expert adds to
-every token. The router is a plain parameter, so it stays in high precision. Each forward
-keeps ``aux_loss`` (Switch load balancing ``E * sum_e f_e * p_e``: f the fraction of routed
-slots, p the mean router probability of expert e) and ``tokens_per_expert``.
+every token. Each forward keeps ``aux_loss`` (Switch load balancing ``E * sum_e f_e * p_e``:
+f the fraction of routed slots, p the mean router probability of expert e).
 """
 
 from __future__ import annotations

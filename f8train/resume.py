@@ -1,16 +1,11 @@
 """Which checkpoint a run resumes from, chosen and checked before the model is built.
 
-``find_resume`` is a collective (every rank reaches the same answer): it picks a checkpoint,
-verifies its files against their manifest, and compares the settings it depends on
-(``checkpoint_settings``: model shape, float8 recipe, scaling and all-gather, skipped layers,
-data layout) with this run's. ``--resume CKPT`` takes exactly that one (damaged: the run
-stops, naming each file and the newest intact one before it; without a manifest but whole:
-used unverified, compared with its ``run.json``). Otherwise the newest intact one; a damaged
-newer one is renamed ``step_N.damaged``; a newer one in doubt (DCP files, no manifest) stops
-the run. Newer checkpoints than the one resumed from are renamed ``step_N.set_aside``: no
-folder DCP could load is deleted. Differing settings stop the run, naming each flag;
-``--allow-recipe-change`` waives ``--recipe``, ``--fp8-all-gather`` and ``--float8-skip``
-(weights are stored in high precision) unless either run uses delayed scaling.
+``find_resume`` is a collective (every rank reaches the same answer): ``--resume CKPT``
+takes that one, otherwise the newest intact one; its files are verified against their
+manifest and the settings it depends on (``checkpoint_settings``) compared with this run's.
+No folder DCP could load is deleted: a damaged newer one is renamed ``step_N.damaged``, the
+newer ones than the one resumed from ``step_N.set_aside``; a newer one in doubt (DCP files,
+no manifest) stops the run. docs/trainer.md and docs/reliability.md give every case.
 """
 
 from __future__ import annotations
@@ -44,16 +39,14 @@ _MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mult
 def checkpoint_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of this run that a checkpoint depends on (plain JSON values)."""
     float8 = args.recipe != "off"
-    shape = build_args(args)
+    shape, scaling = build_args(args), args.scaling if float8 else None
     return {
         "model": {k: getattr(shape, k) for k in _MODEL_FIELDS},
         "recipe": args.recipe,
-        "scaling": args.scaling if float8 else None,
+        "scaling": scaling,
         "fp8_all_gather": default_all_gather(args) if float8 else None,
-        "delayed_history": args.delayed_history if float8 and args.scaling == "delayed" else None,
-        "static_scales": parse_static_scales(args.static_scales)
-        if float8 and args.scaling == "static"
-        else None,
+        "delayed_history": args.delayed_history if scaling == "delayed" else None,
+        "static_scales": parse_static_scales(args.static_scales) if scaling == "static" else None,
         "float8_skip": sorted(args.float8_skip) if float8 else [],
         "seq_len": args.seq_len,
         "global_batch": args.global_batch,
@@ -143,7 +136,6 @@ class ResumePoint:
 
     path: Path
     step: int
-    settings: dict[str, Any]
     changed: list[str] = field(default_factory=list)  # settings allowed to differ
     damaged: list[Path] = field(default_factory=list)  # passed over, renamed (new names)
     set_aside: list[Path] = field(default_factory=list)  # newer ones, renamed (new names)
@@ -162,23 +154,21 @@ def find_resume(
     args: argparse.Namespace, ckpt: Checkpointer, settings: dict[str, Any]
 ) -> ResumePoint | None:
     """The checkpoint this run continues from, or None for a fresh start (collective)."""
-    if args.resume not in (None, "latest"):
-        found = _explicit(Path(args.resume))
-    else:
-        found = _newest_intact(args, ckpt)
+    explicit = args.resume not in (None, "latest")
+    found = _explicit(Path(args.resume)) if explicit else _newest_intact(args, ckpt)
     if found is None:
         return None
     saved, allow = found.manifest.get("settings"), args.allow_recipe_change
-    conflicts = (
-        [] if saved is None else resume_conflicts(saved, settings, allow_recipe_change=allow)
-    )
+    changed, conflicts = [], []
+    if saved is not None:
+        changed = resume_conflicts(saved, settings, allow_recipe_change=False)
+        conflicts = resume_conflicts(saved, settings, allow_recipe_change=allow)
     if conflicts:  # before anything is renamed: a refusal changes nothing
         text = refusal(str(found.path), conflicts, _run_json(found.path), allow)
         for path, problems in found.damaged:
             text += f"\n(newer checkpoint {path} is damaged, so it was not the candidate:\n"
             text += f"{_describe(problems)})"
         raise SystemExit(text)
-    changed = [] if saved is None else resume_conflicts(saved, settings, allow_recipe_change=False)
     if found.unverified and ckpt.is_main:
         how = (
             "not compared (no run.json)"
@@ -191,21 +181,19 @@ def find_resume(
         )
     step = int(found.manifest["step"])
     moved = _set_aside(found.damaged, "damaged", found.path, ckpt.is_main)
-    aside = _set_aside(_newer_loadable(ckpt, step, found.path), SET_ASIDE, found.path, ckpt.is_main)
-    return ResumePoint(found.path, step, saved or {}, changed, moved, aside, found.unverified)
+    why = f"newer than the checkpoint resumed from ({found.path})"
+    newer = [p for p in _loadable(ckpt) if step_of(p) > step and p != found.path]
+    aside = [(p, [f"{p.name}: {why}"]) for p in newer]
+    aside = _set_aside(aside, SET_ASIDE, found.path, ckpt.is_main)
+    return ResumePoint(found.path, step, changed, moved, aside, found.unverified)
 
 
-def _newer_loadable(ckpt: Checkpointer, step: int, chosen: Path) -> list:
-    """Loadable folders newer than ``step``: this run's saves would land on them."""
-    newer = None
+def _loadable(ckpt: Checkpointer) -> list[Path]:
+    """The step folders DCP could load, with a manifest or without, as rank 0 sees them."""
+    found = None
     if ckpt.is_main:
-        newer = [
-            p
-            for p in ckpt.step_dirs()
-            if step_of(p) > step and p != chosen and (ckpt.is_complete(p) or not dcp_problem(p))
-        ]
-    why = f"newer than the checkpoint resumed from ({chosen})"
-    return [(p, [f"{p.name}: {why}"]) for p in broadcast_from_0(newer)]
+        found = [p for p in ckpt.step_dirs() if ckpt.may_load(p)]
+    return broadcast_from_0(found)
 
 
 def _run_json(path: Path) -> str:
@@ -214,6 +202,10 @@ def _run_json(path: Path) -> str:
 
 def _describe(problems: list[str]) -> str:
     return "\n".join(f"  {p}" for p in problems)
+
+
+def _resume_instead(path: Path) -> str:
+    return f"--resume {path} (the newer ones are then renamed step_N.{SET_ASIDE}, kept)"
 
 
 def _explicit(path: Path) -> _Candidate:
@@ -228,15 +220,10 @@ def _explicit(path: Path) -> _Candidate:
     earlier = Checkpointer(path.parent, keep=1, is_main=False).complete()
     earlier = [p for p in reversed(earlier) if step_of(p) < step_of(path)]
     previous = next((p for p in earlier if not verify(p)[1]), None)  # verify: collective
-    if previous is None:
-        after = (
-            f"no intact checkpoint before it in {path.parent}; start a new run with another --out"
-        )
-    else:
-        after = (
-            f"the newest intact one before it is {previous}: resume with --resume {previous} "
-            f"(the newer ones are then renamed step_N.{SET_ASIDE}, kept)"
-        )
+    after = f"no intact checkpoint before it in {path.parent}; start a new run with another --out"
+    if previous is not None:
+        after = f"the newest intact one before it is {previous}: resume with "
+        after += _resume_instead(previous)
     raise SystemExit(
         f"--resume {path}: checkpoint is damaged:\n{_describe(problems)}\n{after}. "
         "Nothing was moved or deleted."
@@ -246,8 +233,10 @@ def _explicit(path: Path) -> _Candidate:
 def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate | None:
     candidates = ckpt.complete()
     newest = candidates[-1] if candidates else None
-    _stop_if_newest_in_doubt(ckpt, newest)
     newest_step = step_of(newest) if newest else -1
+    doubt = [p for p in _loadable(ckpt) if step_of(p) > newest_step and not ckpt.is_complete(p)]
+    if doubt:
+        _stop_in_doubt(ckpt, doubt, newest)
     for path in ckpt.step_dirs():  # an interrupted save newer than all: said, not skipped
         if ckpt.is_main and step_of(path) > newest_step and (path / ".metadata").is_file():
             warn(
@@ -276,23 +265,14 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
     )
 
 
-def _stop_if_newest_in_doubt(ckpt: Checkpointer, newest: Path | None) -> None:
-    """A folder newer than every complete checkpoint that DCP could load, but without a
-    manifest: neither skipped nor overwritten. The run stops and says how to go on."""
-    doubt = None
-    if ckpt.is_main:
-        doubt = [p for p in ckpt.step_dirs() if not ckpt.is_complete(p) and not dcp_problem(p)]
-    doubt = [p for p in broadcast_from_0(doubt) if newest is None or step_of(p) > step_of(newest)]
-    if not doubt:
-        return
-    names = "\n".join(f"  {p}" for p in doubt)
+def _stop_in_doubt(ckpt: Checkpointer, doubt: list[Path], newest: Path | None) -> None:
+    """Folders newer than every complete checkpoint that DCP could load, but without a
+    manifest, are neither skipped nor overwritten: the run stops and says how to go on."""
+    names = _describe([str(p) for p in doubt])
     if newest is None:
         other = "or start a new run with another --out"
     else:
-        other = (
-            f"or resume from the newest verified checkpoint: --resume {newest} (the newer "
-            f"folders are then renamed step_N.{SET_ASIDE}, kept)"
-        )
+        other = f"or resume from the newest verified checkpoint: {_resume_instead(newest)}"
     raise SystemExit(
         f"checkpoint folders in doubt under {ckpt.root}:\n{names}\nthey hold DCP files that "
         f"look loadable (.metadata and every file it names) but no {MANIFEST} (saved before "
@@ -309,17 +289,16 @@ def _set_aside(
     if not items:  # the same list on every rank
         return []
     moved = broadcast_from_0([aside_name(p, suffix) for p, _ in items] if is_main else None)
-    if is_main:
-        damaged = suffix == "damaged"
-        for (path, problems), new in zip(items, moved):
-            path.rename(new)
-            warn(
-                f"WARNING: checkpoint {path} {'is damaged' if damaged else 'is set aside'}:\n"
-                f"{_describe(problems)}\nrenamed it to {new} (kept; delete it when done) and "
-                f"resuming from {'the previous intact checkpoint ' if damaged else ''}{good} "
-                f"(step {step_of(good)}). To resume from another checkpoint instead, stop "
-                "now and pass --resume CKPT."
-            )
+    damaged = suffix == "damaged"
+    for (path, problems), new in zip(items, moved if is_main else []):
+        path.rename(new)
+        warn(
+            f"WARNING: checkpoint {path} {'is damaged' if damaged else 'is set aside'}:\n"
+            f"{_describe(problems)}\nrenamed it to {new} (kept; delete it when done) and "
+            f"resuming from {'the previous intact checkpoint ' if damaged else ''}{good} "
+            f"(step {step_of(good)}). To resume from another checkpoint instead, stop "
+            "now and pass --resume CKPT."
+        )
     if dist.is_initialized():
         dist.barrier()  # renamed before any rank lists checkpoints again
     return moved

@@ -28,8 +28,8 @@ from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
 from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
 
 
-def _colwise(m: nn.Module):
-    return Float8ColwiseParallel() if isinstance(m, Float8Linear) else ColwiseParallel()
+def _colwise(m: nn.Module, **layouts):
+    return (Float8ColwiseParallel if isinstance(m, Float8Linear) else ColwiseParallel)(**layouts)
 
 
 def _rowwise(m: nn.Module):
@@ -37,29 +37,25 @@ def _rowwise(m: nn.Module):
     return style(output_layouts=Shard(1))
 
 
-def float8_gathers_input(consumers: list[nn.Module]) -> bool:
-    """True when every consumer is a Float8Linear whose input cast is tensorwise, shared by
-    its two GEMMs and of one dtype: the activation can then be all-gathered in float8."""
-    keys = set()
-    for m in consumers:
-        if not isinstance(m, Float8Linear):
-            return False
-        plan = m.plan
-        if not plan.shares_cast(Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT):
-            return False
-        keys.add(plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)])
-    return len(keys) == 1
+def _float8_input_dtype(consumers: list[nn.Module]):
+    """The float8 dtype the consumers' input can be all-gathered in, or None: each consumer
+    must be a Float8Linear whose input cast is tensorwise and shared by its two GEMMs, all
+    of one dtype."""
+    cast = (Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT)
+    if not all(isinstance(m, Float8Linear) and m.plan.shares_cast(*cast) for m in consumers):
+        return None
+    dtypes = {m.plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)] for m in consumers}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _prepare(consumers: list[nn.Module], n_inputs: int):
     layouts = (Shard(1),) + (None,) * (n_inputs - 1)
     desired = (Replicate(),) + (None,) * (n_inputs - 1)
-    if float8_gathers_input(consumers):
-        dtype = consumers[0].plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
-        return PrepareFloat8ModuleInput(
-            input_layouts=layouts, desired_input_layouts=desired, float8_dtype=dtype
-        )
-    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=desired)
+    style = dict(input_layouts=layouts, desired_input_layouts=desired)
+    dtype = _float8_input_dtype(consumers)
+    if dtype is None:
+        return PrepareModuleInput(**style)
+    return PrepareFloat8ModuleInput(**style, float8_dtype=dtype)
 
 
 def block_plan(block: nn.Module) -> dict[str, object]:
@@ -104,18 +100,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
             "tensor parallelism of a model with tied embeddings is not supported (the "
             "embedding is sharded by vocab rows, the head by output columns); untie them"
         )
-    head = ColwiseParallel if not isinstance(model.output, Float8Linear) else Float8ColwiseParallel
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": head(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": _colwise(model.output, input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, plan)
     for block in model.blocks:
         parallelize_module(block, tp_mesh, block_plan(block))
-        block.attention.n_heads //= tp
-        block.attention.n_kv_heads //= tp
     return model
