@@ -1,10 +1,8 @@
-"""The float8 flags of ``f8train/train.py``: ``float8_config`` (``--recipe``, ``--scaling``,
-... to a ``Float8LinearConfig``), the filters choosing which layers convert, ``describe``
-(a one-line name of the configuration), and the refusals of float8 flags that would do
-nothing or cannot run. A flag that changes nothing is a silent bug in the user's command
-(``--static-scales input=4`` without ``--scaling static`` once trained with dynamic scales
-and reported tensorwise/dynamic), so ``flag_problems`` names each one with the remedy;
-``--float8-skip`` globs and block all-gather shapes are checked on the model built on the
+"""The float8 flags of ``f8train/train.py``: ``float8_config`` (the flags to a
+``Float8LinearConfig``), the filters choosing which layers convert, ``describe`` (a one-line
+name of the configuration), and the refusals of float8 flags that would do nothing or cannot
+run: a flag that changes nothing is a silent bug in the user's command, so ``flag_problems``
+names each one with the remedy. Globs and block shapes are checked on the model built on the
 meta device, before any process group exists.
 """
 
@@ -41,12 +39,16 @@ _FLOAT8_ONLY = (
     ("numerics_every", "--numerics-every", bool),
     ("precompute", "--no-precompute", lambda v: not v),
 )
+# flags that act only with one --scaling, as (attribute, flag, that scaling)
+_SCALING_ONLY = (
+    ("static_scales", "--static-scales", "static"),
+    ("delayed_history", "--delayed-history", "delayed"),
+)
 
 
 def default_all_gather(args: argparse.Namespace) -> bool:
-    if args.fp8_all_gather is not None:
-        return args.fp8_all_gather
-    return args.recipe in DEFAULT_ALL_GATHER
+    """``--fp8-all-gather``, or the recipe's default when not given."""
+    return args.recipe in DEFAULT_ALL_GATHER if args.fp8_all_gather is None else args.fp8_all_gather
 
 
 def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
@@ -130,7 +132,7 @@ def describe(a: argparse.Namespace) -> str:
     parts.append(a.mixed_precision)
     if a.hsdp_replicate > 1:
         parts.append(f"hsdp-replicate={a.hsdp_replicate}")
-    if getattr(a, "tp", 1) > 1:
+    if a.tp > 1:
         parts.append(f"tp={a.tp}")
     parts += [flag for flag in ("activation_checkpointing", "compile") if getattr(a, flag)]
     return " ".join(parts)
@@ -145,22 +147,17 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             for attr, flag, is_set in _FLOAT8_ONLY
             if is_set(getattr(args, attr))
         ]
-    problems = []
+    problems = [
+        f"{flag} {value} is used only with --scaling {scaling} (this run: --scaling "
+        f"{args.scaling}); add --scaling {scaling}, or drop it"
+        for attr, flag, scaling in _SCALING_ONLY
+        if (value := getattr(args, attr)) is not None and args.scaling != scaling
+    ]
     if args.static_scales is not None:
-        if args.scaling != "static":
-            problems.append(
-                f"--static-scales {args.static_scales} is used only with --scaling static "
-                f"(this run: --scaling {args.scaling}); add --scaling static, or drop it"
-            )
         try:
             parse_static_scales(args.static_scales)
         except ValueError as err:
             problems.append(str(err))
-    if args.delayed_history is not None and args.scaling != "delayed":
-        problems.append(
-            f"--delayed-history {args.delayed_history} is used only with --scaling delayed "
-            f"(this run: --scaling {args.scaling}); add --scaling delayed, or drop it"
-        )
     if not args.precompute and args.scaling != "dynamic":
         problems.append(
             f"--no-precompute applies to --scaling dynamic only (this run: --scaling "
@@ -169,7 +166,8 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     return problems + _skip_problems(args)
 
 
-def _meta_model(args: argparse.Namespace) -> Transformer:
+def meta_model(args: argparse.Namespace) -> Transformer:
+    """The run's model on the meta device (no memory)."""
     with torch.device("meta"):
         return Transformer(build_args(args))
 
@@ -180,7 +178,7 @@ def _skip_problems(args: argparse.Namespace) -> list[str]:
         return []
     names = [
         fqn
-        for fqn, module in _meta_model(args).named_modules()
+        for fqn, module in meta_model(args).named_modules()
         if fqn.startswith("blocks.") and isinstance(module, (nn.Linear, GroupedExperts))
     ]
     examples = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -208,7 +206,7 @@ def block_all_gather_problem(
     accept = float8_filter(args.float8_skip)
     layers = [
         (fqn, m.out_features)
-        for fqn, m in _meta_model(args).named_modules()
+        for fqn, m in meta_model(args).named_modules()
         if isinstance(m, nn.Linear) and accept(m, fqn)
     ]
     misfits = [(fqn, n) for fqn, n in layers if n % shards or (n // shards) % rows]

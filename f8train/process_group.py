@@ -1,14 +1,10 @@
-"""Process group and device mesh of a launched rank (``f8train/train.py``), and the
-object collectives with which its ranks agree.
-
-``init_distributed`` turns the environment into a ``Dist`` (rank, world, device, meshes).
-Three ways in: torchrun's environment (env:// rendezvous), a restarted torchrun attempt
-(its own key prefix on the agent's store), or a plain ``python -m`` start (one rank, an
-in-memory store).
+"""Process group and device mesh of a launched rank (``init_distributed`` -> ``Dist``), and
+the object collectives with which its ranks agree (one rank: no collective).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,59 +44,44 @@ def broadcast_from_0(obj: Any) -> Any:
 
 @dataclass(frozen=True)
 class Dist:
-    """Where this process sits: rank, world size, device, the data-parallel mesh (what
-    ``fully_shard`` shards over) and, with ``--tp N > 1``, the tensor-parallel mesh (the
-    innermost dim of one mesh: the N ranks of a TP group are consecutive and read the same
-    batch, so the data is split over ``dp_rank`` of ``dp_size``)."""
+    """Where this process sits. ``mesh`` is what ``fully_shard`` shards over; with ``--tp N``
+    ``tp_mesh`` is the innermost dim of one mesh: the N ranks of a TP group are consecutive
+    and read the same batch (the data is split over ``rank // tp``)."""
 
     rank: int
     world_size: int
     device: torch.device
     mesh: DeviceMesh
-    tp_mesh: DeviceMesh | None = None
+    tp_mesh: DeviceMesh | None
+    tp: int
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def tp(self) -> int:
-        return 1 if self.tp_mesh is None else self.tp_mesh.size()
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def dp_size(self) -> int:
-        return self.world_size // self.tp
-
     def mesh_shape(self) -> dict[str, int]:
         shape = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
-        return shape | ({"tp": self.tp} if self.tp_mesh is not None else {})
+        return shape | ({"tp": self.tp} if self.tp > 1 else {})
 
 
-def init_distributed(
-    device_type: str, hsdp_replicate: int, *, tp: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> Dist:
+def init_distributed(args: argparse.Namespace) -> Dist:
     """Init the process group (gloo on CPU, NCCL on CUDA) and an explicit device mesh.
-    ``timeout_s`` bounds every collective: a rank waiting longer for its peers fails (gloo
-    raises, NCCL's watchdog aborts) instead of hanging for torch's default 30 minutes."""
+    ``--pg-timeout-s`` bounds every collective: a rank waiting longer for its peers fails
+    (gloo raises, NCCL's watchdog aborts) instead of hanging for torch's default 30 minutes."""
+    device_type, tp = args.device, args.tp
     cuda = device_type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch.cuda.is_available() is False; use --device cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if cuda:
         torch.cuda.set_device(device)
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=timeout_s)
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.pg_timeout_s)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if "RANK" not in os.environ:
         store, rank, world = dist.HashStore(), 0, 1
-    # torch 2.13: torchrun's workers share the agent's TCPStore with no per-attempt key
-    # prefix, so after a restart gloo reads the previous attempt's peer addresses and fails
-    # with "Connection refused" (pytorch/pytorch#135712 is the NCCL face of it): each attempt
-    # gets its own prefix. Multi-node restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    # (a fresh store per round), which also turns this path off.
+    # torchrun's workers share the agent's TCPStore with no per-attempt key prefix, so after
+    # a restart gloo reads the previous attempt's peer addresses (pytorch/pytorch#135712):
+    # each attempt gets its own prefix (docs/trainer.md)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts > 0:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         agent = dist.TCPStore(
@@ -117,8 +98,8 @@ def init_distributed(
         backend, store=store, rank=rank, world_size=world, device_id=device, timeout=timeout
     )
     world = dist.get_world_size()
-    mesh, tp_mesh = _meshes(device_type, world, hsdp_replicate, tp)
-    return Dist(dist.get_rank(), world, device or torch.device("cpu"), mesh, tp_mesh)
+    mesh, tp_mesh = _meshes(device_type, world, args.hsdp_replicate, tp)
+    return Dist(dist.get_rank(), world, device or torch.device("cpu"), mesh, tp_mesh, tp)
 
 
 def _meshes(

@@ -17,13 +17,9 @@ def enable_crash_traces() -> None:
 
 
 def exit_rank(code: int) -> NoReturn:
-    """After ``dist.destroy_process_group()``: flush stdout and stderr, then ``os._exit``.
-
-    FSDP state and the mesh keep the C++ process group alive, and its worker threads (gloo,
-    NCCL's watchdog) may still free tensors when Python finalizes; a thread asking for the
-    GIL then aborts ("terminate called without an active exception"), so torchrun reports a
-    finished run as failed. Callers close every file they write before this point.
-    """
+    """After ``dist.destroy_process_group()``: flush stdout and stderr, then ``os._exit``,
+    skipping Python's finalization, where a c10d worker thread still freeing tensors can
+    abort a finished run (docs/trainer.md). Callers close every file they write first."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

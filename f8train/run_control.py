@@ -1,11 +1,7 @@
-"""How a run of ``f8train/train.py`` is controlled from outside: one job per ``--out``,
-a graceful stop on SIGTERM/SIGINT, and test hooks that crash or hang a rank.
-
-The lock ``OUT/.lock`` holds the owner's host, pid and start time: two jobs in one ``--out``
-would corrupt each other's checkpoints and metrics, and the symptom (a checkpoint that does
-not load) would point at the wrong cause. Rank 0 creates it with ``O_EXCL`` before anything
-in ``--out`` is read; a lock left by a dead job on this host is taken over, saying so; one
-from another host cannot be checked, so the message says how to remove it.
+"""How a run of ``f8train/train.py`` is controlled from outside: one job per ``--out`` (the
+lock ``OUT/.lock``), a graceful stop on SIGTERM/SIGINT, and the test hooks that crash or
+hang a rank. Two jobs in one ``--out`` would corrupt each other's checkpoints and metrics,
+and the symptom (a checkpoint that does not load) would point at the wrong cause.
 """
 
 from __future__ import annotations
@@ -17,12 +13,19 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 LOCK = ".lock"
+
+
+def _owner(path: Path) -> dict:
+    """The lock's owner: host, pid and start time (empty when unreadable)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _owner_text(owner: dict) -> str:
@@ -36,51 +39,45 @@ def _pid_runs(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # runs, as another user
-        return True
+        pass
     return True
 
 
 def acquire_lock(out: Path) -> str | None:
-    """Take ``out``'s lock for this process; returns why it cannot (None: taken)."""
+    """Take ``out``'s lock for this process; returns why it cannot (None: taken). A lock
+    left by a dead job on this host is taken over, saying so; one from another host cannot
+    be checked, so the message says how to remove it."""
     path = Path(out) / LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
     for _ in range(2):  # a second try after removing a stale lock
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with path.open("x") as f:
+                json.dump(me, f)
+            return None
         except FileExistsError:
-            try:
-                owner = json.loads(path.read_text())
-            except (OSError, ValueError):
-                owner = {}
-            if owner.get("host") == me["host"] and not _pid_runs(int(owner.get("pid", -1))):
-                print(
-                    f"note: removing the stale lock {path} of a job that no longer runs "
-                    f"({_owner_text(owner)})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                path.unlink(missing_ok=True)
-                continue
+            owner = _owner(path)
+        if owner.get("host") != me["host"] or _pid_runs(int(owner.get("pid", -1))):
             return (
                 f"--out {out} is in use by another job ({_owner_text(owner)}; lock file "
                 f"{path}). Two jobs in one --out would overwrite each other's checkpoints "
                 f"and metrics: wait for that job to end, or use another --out. If that job "
                 f"is not running any more, delete {path} and rerun."
             )
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return None
+        print(
+            f"note: removing the stale lock {path} of a job that no longer runs "
+            f"({_owner_text(owner)})",
+            file=sys.stderr,
+            flush=True,
+        )
+        path.unlink(missing_ok=True)
     return f"could not take the lock {path}: it reappeared after removing a stale one"
 
 
 def release_lock(out: Path) -> None:
     """Remove the lock if this process holds it."""
     path = Path(out) / LOCK
-    try:
-        owner = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
+    owner = _owner(path)
     if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
         path.unlink(missing_ok=True)
 
@@ -93,9 +90,9 @@ class GracefulStop:
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested:  # second signal: stop now
@@ -113,24 +110,19 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
-def maybe_crash(step: int, crash_at_step: int | None, rank: int, world: int, out: Path) -> None:
-    """Test hook (``--crash-at-step K``): the last rank exits abruptly after step K, the
-    first time only (a marker file in ``out``), so ``torchrun --max-restarts 1`` resumes."""
-    if crash_at_step is None or step != crash_at_step or rank != world - 1:
+def fault_hooks(step: int, args, rank: int, world: int) -> None:
+    """After step K the last rank, with ``--crash-at-step K``, exits abruptly, the first time
+    only (a marker file in ``--out``), so ``torchrun --max-restarts 1`` resumes; with
+    ``--hang-at-step K`` it waits in a receive no rank sends, a hung job that
+    ``--pg-timeout-s`` must end with a message."""
+    if rank != world - 1:
         return
-    marker = Path(out) / f".crashed_at_step_{step}"
-    if marker.exists():
-        return
-    marker.touch()
-    print(f"[rank {rank}] --crash-at-step {step}: exiting abruptly (test hook)", flush=True)
-    sys.stderr.flush()
-    os._exit(17)
-
-
-def maybe_hang(step: int, hang_at_step: int | None, rank: int, world: int) -> None:
-    """Test hook (``--hang-at-step K``): after step K the last rank waits in a receive no
-    rank sends, a hung job that ``--pg-timeout-s`` must end with a message."""
-    if hang_at_step is None or step != hang_at_step or rank != world - 1 or world == 1:
-        return
-    print(f"[rank {rank}] --hang-at-step {step}: waiting for a message never sent", flush=True)
-    dist.recv(torch.zeros(1), src=0)
+    marker = Path(args.out) / f".crashed_at_step_{step}"
+    if step == args.crash_at_step and not marker.exists():
+        marker.touch()
+        print(f"[rank {rank}] --crash-at-step {step}: exiting abruptly (test hook)", flush=True)
+        sys.stderr.flush()
+        os._exit(17)
+    if step == args.hang_at_step and world > 1:
+        print(f"[rank {rank}] --hang-at-step {step}: waiting for a message never sent", flush=True)
+        dist.recv(torch.zeros(1), src=0)

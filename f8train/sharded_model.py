@@ -1,11 +1,9 @@
-"""The sharded model of ``f8train/train.py`` and its optimizer.
+"""The sharded model of ``f8train/train.py`` and its optimizer and LR schedule.
 
-``build_model`` goes in torchtitan's order: Transformer on the meta device -> float8 swap of
-the block linears -> tensor-parallel plan (``--tp``, ``f8train/tp_plan.py``) -> activation
-checkpointing and torch.compile per block -> fully_shard per block, then the root ->
-``to_empty(device)`` -> ``init_weights(seed)``. Each rank only ever allocates its shards and
-gets the same values for any mesh. AdamW decays matrices only; the learning rate warms up
-linearly, then follows a cosine.
+``build_model`` goes in torchtitan's order: Transformer on the meta device -> float8 swap ->
+tensor-parallel plan (``--tp``) -> activation checkpointing and torch.compile per block ->
+fully_shard per block, then the root -> ``to_empty(device)`` -> ``init_weights(seed)``, so
+each rank only ever allocates its shards and gets the same values for any mesh.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from f8train.float8_flags import expert_filter, float8_filter
-from f8train.model import Transformer, build_args
+from f8train.float8_flags import expert_filter, float8_filter, meta_model
+from f8train.model import Transformer
 from f8train.process_group import Dist
 from f8train.tp_plan import apply_tensor_parallel
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training, enable_float8_reduce_scatter
@@ -30,8 +28,7 @@ def build_model(
     args: argparse.Namespace, d: Dist, config: Float8LinearConfig | None
 ) -> tuple[Transformer, object]:
     """The sharded, initialized model and its float8 conversion report (None if off)."""
-    with torch.device("meta"):
-        model = Transformer(build_args(args))
+    model = meta_model(args)
     report = None
     if config is not None:
         convert_to_float8_training(
@@ -43,18 +40,16 @@ def build_model(
         report = model.float8_conversion_report
     if d.tp_mesh is not None:  # after the float8 swap, before the wrappers and fully_shard
         apply_tensor_parallel(model, d.tp_mesh)
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
+        reduce_dtype=torch.float32,
+    )
     for i, block in enumerate(model.blocks):
         if args.activation_checkpointing:
             block = checkpoint_wrapper(block)
         if args.compile:
             block.compile()  # in place: parameter names stay as they are
-        model.blocks[i] = block
-    mp = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
-        reduce_dtype=torch.float32,
-    )
-    for block in model.blocks:
-        fully_shard(block, mesh=d.mesh, mp_policy=mp)
+        model.blocks[i] = fully_shard(block, mesh=d.mesh, mp_policy=mp)
     fully_shard(model, mesh=d.mesh, mp_policy=mp)
     if args.float8_reduce_scatter:
         enable_float8_reduce_scatter(model)
@@ -63,36 +58,37 @@ def build_model(
     return model, report
 
 
-def conversion_counts(model: nn.Module, report) -> dict[str, int]:
-    """Global parameter counts: float8-converted linear and expert weights vs the rest."""
-    names = set(report.converted) if report is not None else set()
-    experts = set(report.experts_converted) if report is not None else set()
-    converted = other = 0
+def conversion_counts(model: nn.Module, report) -> dict:
+    """``run.json``'s float8 fields: the converted and skipped layers, and the global parameter
+    counts of the float8-converted linear and expert weights and of the rest."""
+    converted = set(report.converted) | set(report.experts_converted) if report else set()
+    total = float8 = 0
     for fqn, p in model.named_parameters():
         fqn = fqn.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if fqn.removesuffix(".weight") in names or fqn.rpartition(".")[0] in experts:
-            converted += p.numel()
-        else:
-            other += p.numel()
-    return {"float8_params": converted, "high_precision_params": other}
+        total += p.numel()
+        float8 += p.numel() if fqn.rpartition(".")[0] in converted else 0
+    return {
+        "float8_params": float8,
+        "high_precision_params": total - float8,
+        "float8_converted": report.converted if report else [],
+        "float8_skipped": report.skipped if report else {},
+    }
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (norm weights are not decayed)."""
-    groups = [
-        {
-            "params": [p for p in model.parameters() if p.ndim >= 2],
-            "weight_decay": args.weight_decay,
-        },
-        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "weight_decay": args.weight_decay}, {"params": others}]
+    return torch.optim.AdamW(
+        groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=True
+    )
 
 
 @dataclass(frozen=True)
 class WarmupCosine:
     """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to
-    ``min_ratio`` at ``total``. A callable object, so LambdaLR's state_dict keeps it."""
+    ``min_ratio`` at ``total``."""
 
     warmup: int
     total: int

@@ -5,14 +5,10 @@
     torchrun --standalone --nproc_per_node 8 -m f8train.train --device cuda --preset small
 
 One step: this rank's rows of the global batch -> forward/backward (FSDP2 all-gathers each
-block's weights, in float8 for converted linears with ``--fp8-all-gather``; the float8 step
-refreshes precomputed scales and delayed histories when an optimizer step made them stale)
--> clip gradients -> one all-reduce of the loss and the stop flag, so all ranks agree
-whether to go on -> optimizer and LR step. A run whose ``--out`` holds a checkpoint continues
-from it (also after ``torchrun --max-restarts N``), verified and compared with the flags
-before the model is built (``f8train/resume.py``). SIGTERM saves a checkpoint and exits 0;
-a non-finite loss stops with exit code 3 before the optimizer step; a collective waiting
-longer than ``--pg-timeout-s`` ends the run with a message. Outputs: docs/trainer.md.
+block's weights, in float8 for converted linears with ``--fp8-all-gather``) -> clip gradients
+-> one all-reduce of the loss and the stop flag, so all ranks agree whether to go on ->
+optimizer and LR step. A run whose ``--out`` holds a checkpoint resumes from it
+(``f8train/resume.py``). Stops, failures and outputs: docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -31,20 +27,15 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from f8train import checkpoint as ck
+from f8train import process_group as pg
 from f8train import train_log as log
 from f8train.data import TokenBatcher, TokenData, ValidationBatches, check_token_ids, load_tokens
 from f8train.float8_flags import block_all_gather_problem, describe, float8_config
 from f8train.model import build_args, flops_per_token, num_params
 from f8train.moe import moe_aux_loss, moe_fields
-from f8train.process_group import (
-    Dist,
-    broadcast_from_0,
-    collective_failure_message,
-    init_distributed,
-)
 from f8train.rank_exit import enable_crash_traces, exit_rank
 from f8train.resume import checkpoint_settings, find_resume
-from f8train.run_control import GracefulStop, acquire_lock, maybe_crash, maybe_hang, release_lock
+from f8train.run_control import GracefulStop, acquire_lock, fault_hooks, release_lock
 from f8train.sharded_model import build_model, build_optimizer, build_scheduler, conversion_counts
 from f8train.train_args import parse_args
 from fsdp_float8 import Float8LinearConfig, Float8Telemetry, float8_step
@@ -58,13 +49,13 @@ EXIT_NON_FINITE = 3
 class Trainer:
     """Holds the run's objects; ``run()`` trains from the resumed step to ``--steps``."""
 
-    def __init__(self, args: argparse.Namespace, config: Float8LinearConfig | None, d: Dist):
+    def __init__(self, args: argparse.Namespace, config: Float8LinearConfig | None, d: pg.Dist):
         self.args, self.config, self.d, self.out = args, config, d, Path(args.out)
         torch.manual_seed(args.seed)
         self.data = load_data(args)
         # the ranks of a tensor-parallel group read the same batch: split over dp only
-        layout = dict(seq_len=args.seq_len, global_batch=args.global_batch, rank=d.dp_rank)
-        layout |= dict(world_size=d.dp_size)
+        layout = dict(seq_len=args.seq_len, global_batch=args.global_batch)
+        layout |= dict(rank=d.rank // d.tp, world_size=d.world_size // d.tp)
         self.batcher = TokenBatcher(self.data.train, **layout, seed=args.seed)
         self.val = ValidationBatches(self.data.val, **layout, num_batches=args.val_batches)
         self.ckpt = ck.Checkpointer(
@@ -83,6 +74,8 @@ class Trainer:
         self.tokens_per_step = args.global_batch * args.seq_len
         self.flops_per_token = flops_per_token(self.model.args, args.seq_len)
         self.peak_flops = log.peak_flops(d.device, args.peak_tflops)
+        self.progress = log.Progress(args.steps, enabled=d.is_main, log_every=args.log_every)
+        self.say = self.progress.message
         self.telemetry = None
 
     def state(self) -> dict:
@@ -94,35 +87,29 @@ class Trainer:
             "progress": self.progress_state,
         }
 
-    def say(self, text: str) -> None:
-        if self.d.is_main:
-            print(text, flush=True)
-
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step it was saved at."""
-        if self.resume_point is None:
+        point = self.resume_point
+        if point is None:
             return 0
-        path = self.resume_point.path
-        self.ckpt.load(path, self.state())
+        self.ckpt.load(point.path, self.state())
         if self.config is not None:  # as at the save: the step metrics match a run that
             sync_float8(self.model)  # did not stop (no first check)
         step = self.progress_state.step
-        self.say(f"resumed from {path} at step {step} (world size {self.d.world_size})")
-        for change in self.resume_point.changed:
+        self.say(f"resumed from {point.path} at step {step} (world size {self.d.world_size})")
+        for change in point.changed:
             self.say(f"  changed on resume (--allow-recipe-change): {change}")
         return step
 
     def header(self, start_step: int) -> None:
+        """Write ``run.json`` and print what this run trains."""
         a, d, report, point = self.args, self.d, self.report, self.resume_point
-        counts = conversion_counts(self.model, report)
         info = {
             "args": vars(a),
             "world_size": d.world_size,
             "mesh": d.mesh_shape(),
             "params": num_params(self.model, exclude_embedding=False),
-            **counts,
-            "float8_converted": report.converted if report else [],
-            "float8_skipped": report.skipped if report else {},
+            **conversion_counts(self.model, report),
             "data": self.data.source,
         }
         if point is not None:
@@ -134,18 +121,16 @@ class Trainer:
             (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
         self.say(
             f"{d.world_size} rank(s) on {d.device.type}, mesh {info['mesh']}; model "
-            f"{a.preset} {info['params']:,} params ({counts['float8_params']:,} in float8 "
-            f"linears); {self.tokens_per_step:,} tokens/step; data {self.data.source}"
+            f"{a.preset} {info['params']:,} params ({info['float8_params']:,} in float8 "
+            f"linears); {self.tokens_per_step:,} tokens/step; data {self.data.source}\n"
+            f"config: {describe(a)}\n"
+            f"{report or 'float8: off (high-precision baseline)'}\n"
+            f"out: {self.out}  (from step {start_step} to {a.steps})"
         )
-        self.say(f"config: {describe(a)}")
-        self.say(str(report) if report else "float8: off (high-precision baseline)")
-        self.say(f"out: {self.out}  (from step {start_step} to {a.steps})")
 
-    def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs.to(self.d.device))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.d.device).flatten())
-        aux = moe_aux_loss(self.model)  # MoE presets: the load-balancing loss joins the loss
-        return loss if aux is None else loss + aux
+    def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, reduction="mean"):
+        logits = self.model(inputs.to(self.d.device)).float().flatten(0, 1)
+        return F.cross_entropy(logits, targets.to(self.d.device).flatten(), reduction=reduction)
 
     def train_step(self, step: int, stop: GracefulStop) -> tuple[dict, bool]:
         """One optimizer step; returns its metrics record and whether to stop after it."""
@@ -153,8 +138,10 @@ class Trainer:
         counter = CollectiveCounter() if a.comm_every > 0 and step % a.comm_every == 0 else None
         inputs, targets = next(self.batcher)
         start = time.perf_counter()
-        with counter if counter is not None else nullcontext():
+        with counter or nullcontext():
             loss = self.loss_of(inputs, targets)
+            if (aux := moe_aux_loss(self.model)) is not None:  # MoE: the load-balancing loss
+                loss = loss + aux
             if step == a.nan_at_step:  # test hook
                 loss = loss * float("nan")
             loss.backward()
@@ -176,9 +163,7 @@ class Trainer:
             torch.cuda.synchronize(self.d.device)
         seconds = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / seconds
-        mfu = None
-        if self.peak_flops:
-            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.d.world_size)
+        peak = self.peak_flops * self.d.world_size if self.peak_flops else None
         record = {
             "step": step,
             "loss": loss_value,
@@ -188,7 +173,7 @@ class Trainer:
             "step_time_s": seconds,
             **log.comm_fields(counter),
             "peak_memory_bytes": log.peak_memory_bytes(self.d.device),
-            "mfu": mfu,
+            "mfu": self.flops_per_token * tokens_per_s / peak if peak else None,
             **moe_fields(self.model),
         }
         return record, stop_requested
@@ -199,21 +184,18 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.d.device)
         for inputs, targets in self.val:
-            logits = self.model(inputs.to(self.d.device)).float().flatten(0, 1)
-            targets = targets.to(self.d.device).flatten()
-            total[0] += F.cross_entropy(logits, targets, reduction="sum")
+            total[0] += self.loss_of(inputs, targets, reduction="sum")
             total[1] += targets.numel()
         dist.all_reduce(total)
         self.model.train()
         return (total[0] / total[1]).item()
 
-    def save(self, step: int, progress: log.Progress) -> None:
+    def save(self, step: int) -> None:
         start = time.perf_counter()
         if self.config is not None:  # the refresh is lazy: save reduced delayed amaxes
             sync_float8(self.model)
         path = self.ckpt.save(step, self.state(), self.settings)
-        seconds = time.perf_counter() - start
-        progress.message(f"step {step}: saved checkpoint {path} ({seconds:.1f} s)")
+        self.say(f"step {step}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
     def run(self) -> int:
         start = self.resume()
@@ -232,61 +214,53 @@ class Trainer:
         if self.config is not None and self.args.numerics_every > 0:
             every = self.args.numerics_every
             self.telemetry = Float8Telemetry(self.model, every=every, start_step=start + 1)
-        progress = log.Progress(
-            self.args.steps, enabled=self.d.is_main, log_every=self.args.log_every
-        )
         with GracefulStop() as stop:
-            code = self.loop(start, metrics, progress, stop)
-        progress.close()
-        return code
+            return self.loop(start, metrics, stop)
 
-    def loop(self, start: int, metrics: log.MetricsFile, progress: log.Progress, stop) -> int:
+    def loop(self, start: int, metrics: log.MetricsFile, stop: GracefulStop) -> int:
         a = self.args
         for step in range(start + 1, a.steps + 1):
             try:
                 record, stop_requested = self.train_step(step, stop)
             except _NonFinite as err:
-                return self.non_finite(step, str(err), progress)
+                self.say(
+                    f"error: non-finite training values at step {step} ({err}); stopped before "
+                    f"the optimizer step. Newest checkpoint: {self.ckpt.latest() or 'none'} (its "
+                    "files are checked against their checksums when the run resumes). Lower "
+                    "--lr, set --grad-clip, or use --recipe off to check whether float8 is the "
+                    "cause."
+                )
+                return EXIT_NON_FINITE
             self.progress_state.step = step
             self.progress_state.tokens += self.tokens_per_step
             last = step == a.steps
             if a.val_every > 0 and (step % a.val_every == 0 or last):
                 record["val_loss"] = self.validate()
-                progress.message(f"step {step}: val loss {record['val_loss']:.4f}")
+                self.say(f"step {step}: val loss {record['val_loss']:.4f}")
             metrics.write(record)
             if self.telemetry is not None:  # every rank flushes: its warnings name its layers
                 self.telemetry.step()
                 records = self.telemetry.flush()
                 if self.d.is_main and records:
                     append_jsonl(self.out / "numerics.jsonl", records)
-            progress.step(record)
+            self.progress.step(record)
             early = stop_requested or step == a.stop_at_step
             if last or early or (a.ckpt_every > 0 and step % a.ckpt_every == 0):
-                self.save(step, progress)
-            maybe_crash(step, a.crash_at_step, self.d.rank, self.d.world_size, self.out)
-            maybe_hang(step, a.hang_at_step, self.d.rank, self.d.world_size)
+                self.save(step)
+            fault_hooks(step, a, self.d.rank, self.d.world_size)
             if early:
                 why = f"signal {stop.signal_name}" if stop_requested else "--stop-at-step"
-                progress.message(f"stopped after step {step} ({why}); rerun to resume")
+                self.say(f"stopped after step {step} ({why}); rerun to resume")
                 return 0
         return self.finish()
 
-    def non_finite(self, step: int, what: str, progress: log.Progress) -> int:
-        progress.message(
-            f"error: non-finite training values at step {step} ({what}); stopped before the "
-            f"optimizer step. Newest checkpoint: {self.ckpt.latest() or 'none'} (its files "
-            "are checked against their checksums when the run resumes). Lower --lr, set "
-            "--grad-clip, or use --recipe off to check whether float8 is the cause."
-        )
-        return EXIT_NON_FINITE
-
     def finish(self) -> int:
         if self.d.is_main:
+            path = self.out / "summary.json"
             records = log.read_metrics(self.out / "metrics.jsonl")
-            train_time = sum(r["step_time_s"] for r in records)
-            s = log.summary(records, {"config": describe(self.args), "train_time_s": train_time})
-            (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-            print(f"summary ({self.out / 'summary.json'}):\n{log.format_summary(s)}", flush=True)
+            s = log.summary(records, {"config": describe(self.args)})
+            path.write_text(json.dumps(s, indent=2) + "\n")
+            self.say(f"summary ({path}):\n{log.format_summary(s)}")
         return 0
 
 
@@ -320,22 +294,19 @@ def main(argv: list[str] | None = None) -> int:
     problem = block_all_gather_problem(args, config, shards, resuming=resuming)
     if problem is not None:  # every rank decides alike, before any process group
         raise SystemExit(problem)
-    d = init_distributed(args.device, args.hsdp_replicate, tp=args.tp, timeout_s=args.pg_timeout_s)
-    locked = False
+    d = pg.init_distributed(args)
     try:
-        why = acquire_lock(Path(args.out)) if d.is_main else None
-        locked = d.is_main and why is None
-        why = broadcast_from_0(why)
+        why = pg.broadcast_from_0(acquire_lock(Path(args.out)) if d.is_main else None)
         if why is not None:  # every rank stops, naming the job that holds --out
             raise SystemExit(why)
         return Trainer(args, config, d).run()
     except RuntimeError as err:
-        message = collective_failure_message(err, d.rank, args.pg_timeout_s)
+        message = pg.collective_failure_message(err, d.rank, args.pg_timeout_s)
         if message is None:
             raise
         raise SystemExit(message) from None
     finally:
-        if locked:
+        if d.is_main:  # only the lock this process holds
             release_lock(Path(args.out))
         dist.destroy_process_group()
 

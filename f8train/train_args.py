@@ -1,11 +1,9 @@
 """Command-line flags of ``f8train/train.py`` (``python -m f8train.train --help``).
 
-Defaults are the ``make train`` run: 2 CPU ranks, the tiny preset, float8 tensorwise with
-float8 all-gather and precomputed scales, bf16 mixed precision, a few minutes on a CPU.
-Every flag is refused at argument time, before any process group or model exists, when its
-value is out of range (each numeric type states its range: ``argument --warmup: expected an
-integer >= 0, got '-5'``), when it would do nothing in this run (``flag_problems``), when
-``--tp`` cannot run with the rest, or when ``--out`` is not a folder that can be written.
+Defaults are the ``make train`` run. ``parse_args`` refuses, before any process group or
+model exists, a value out of its range (each numeric type names it), a flag that would do
+nothing in this run, a ``--tp`` that cannot run with the rest, and an ``--out`` that is not
+a folder that can be written.
 """
 
 from __future__ import annotations
@@ -24,34 +22,32 @@ from f8train.model import PRESETS
 from f8train.process_group import DEFAULT_TIMEOUT_S
 
 
-def number(kind: type, low: float, *, above=False, high=None, below=False) -> Callable:
-    """An argparse type: a finite ``kind`` (int or float) ``>= low`` (``> low`` with
-    ``above``) and ``<= high`` (``< high`` with ``below``) when given; its error message
-    names the expected range."""
+def number(kind: type, low: float, high: float = math.inf, *, strict: bool = False) -> Callable:
+    """An argparse type: a finite ``kind`` (int or float) in [low, high] (``strict``: in
+    (low, high)); its error message names the range."""
     word = "an integer" if kind is int else "a number"
-    bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else "")
-    if above and below:
-        bound = f"in ({low:g}, {high:g})"
+    if math.isinf(high):
+        bound = f"{'>' if strict else '>='} {low:g}"
+    else:
+        bound = f"in ({low:g}, {high:g})" if strict else f">= {low:g} and <= {high:g}"
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = math.nan
-        fits = value > low if above else value >= low
-        fits = fits and (high is None or (value < high if below else value <= high))
+        fits = low < value < high if strict else low <= value <= high
         if not (math.isfinite(value) and fits):
             raise argparse.ArgumentTypeError(f"expected {word} {bound}, got {text!r}")
         return value
 
-    parse.__name__ = f"{kind.__name__} {bound}"
     return parse
 
 
 DEFAULT_DELAYED_HISTORY = 16
 POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
-POS_FLOAT, NONNEG_FLOAT = number(float, 0, above=True), number(float, 0)
-FRACTION = number(float, 0, above=True, high=1, below=True)
+POS_FLOAT, NONNEG_FLOAT = number(float, 0, strict=True), number(float, 0)
+FRACTION = number(float, 0, 1, strict=True)
 FLAG, BOOL, HIDDEN = "store_true", argparse.BooleanOptionalAction, argparse.SUPPRESS
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # group -> rows of (flag, type / action / choices, default, help[, metavar]); docs/trainer.md
@@ -91,7 +87,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--seq-len", POS_INT, 128, None),
         ("--lr", POS_FLOAT, 3e-3, "peak learning rate"),
         ("--warmup", NONNEG_INT, None, "linear warmup steps (default: steps // 10)"),
-        ("--min-lr-ratio", number(float, 0, high=1), 0.1, "cosine decays to lr * this"),
+        ("--min-lr-ratio", number(float, 0, 1), 0.1, "cosine decays to lr * this"),
         ("--weight-decay", NONNEG_FLOAT, 0.1, None),
         ("--grad-clip", NONNEG_FLOAT, 1.0, "max grad norm; 0: no clipping"),
         ("--seed", NONNEG_INT, 0, None),
@@ -151,15 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
     problems = flag_problems(args) + _run_problems(args)
+    if (problem := tp_problem(args)) is not None:
+        problems.append(f"argument --tp: {problem}")
+    if (problem := out_problem(args.out)) is not None:
+        problems.append(f"argument --out: {problem}; choose a folder you can write to")
     if problems:
         parser.error("\n".join(problems))
     resolve_defaults(args)
-    problem = tp_problem(args)
-    if problem is not None:
-        parser.error(f"argument --tp: {problem}")
-    problem = out_problem(args.out)
-    if problem is not None:
-        parser.error(f"argument --out: {problem}; choose a folder you can write to")
     return args
 
 

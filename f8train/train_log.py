@@ -1,10 +1,8 @@
-"""What ``f8train/train.py`` records and shows (rank 0 only).
-
-``MetricsFile``: ``OUT/metrics.jsonl``, one JSON object per step (its fields are listed in
-docs/trainer.md). On resume the lines after the resumed step (all of them on a fresh start)
-move to ``metrics.dropped.jsonl``, appended, so the file holds each step once and nothing is
-lost. ``Progress``: a live line on a terminal, else a line every ``log_every`` steps.
-``summary``/``format_summary``: the end-of-run figures, also written to ``summary.json``.
+"""What ``f8train/train.py`` records and shows (rank 0 only): ``MetricsFile`` writes
+``OUT/metrics.jsonl``, one JSON object per step (on resume the lines after the resumed step
+move to ``metrics.dropped.jsonl``, so the file holds each step once and nothing is lost);
+``Progress`` prints the step line and messages; ``summary``/``format_summary`` give the
+end-of-run figures of ``summary.json``. The fields are listed in docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch
 
 from f8train.bench_common import peak_tflops
 from fsdp_float8.tools.comm_stats import CollectiveCounter
+from fsdp_float8.tools.telemetry import append_jsonl
 
 _COMM_FIELDS = ("all_gather_bytes", "all_gather_count", "reduce_scatter_bytes", "all_reduce_bytes")
 
@@ -27,15 +26,14 @@ _COMM_FIELDS = ("all_gather_bytes", "all_gather_count", "reduce_scatter_bytes", 
 class MetricsFile:
     def __init__(self, path: Path, *, enabled: bool, resume_step: int) -> None:
         self.path, self.enabled = Path(path), enabled
+        self.dropped_path = self.path.with_name(self.path.stem + ".dropped.jsonl")
         self.dropped = 0  # lines moved to the dropped file (steps this run trains again)
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.exists():
-            self.path.write_text("")
-            return
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept, dropped = [], []
-        for line in filter(str.strip, self.path.read_text().splitlines()):
+        for line in filter(str.strip, lines):
             (kept if resume_step > 0 and _step_of(line) <= resume_step else dropped).append(line)
         if dropped:  # first the copy, then the rewrite: a crash in between loses nothing
             with self.dropped_path.open("a") as f:
@@ -45,14 +43,9 @@ class MetricsFile:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
 
-    @property
-    def dropped_path(self) -> Path:
-        return self.path.with_name(self.path.stem + ".dropped.jsonl")
-
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_jsonl(self.path, [record])
 
 
 def _step_of(line: str) -> int:
@@ -108,11 +101,13 @@ def fmt_bytes(n: float | None) -> str:
 
 
 class Progress:
-    """Rank-0 progress line: step/total, loss, tokens/s, ETA from recent step times."""
+    """Rank 0's output: the step line (step/total, loss, tokens/s, ETA from recent step
+    times), in place on a terminal, else every ``log_every`` steps; and messages."""
 
     def __init__(self, total: int, *, enabled: bool, log_every: int) -> None:
         self.total, self.enabled, self.log_every = total, enabled, max(1, log_every)
         self.live = enabled and sys.stdout.isatty()
+        self.open_line = False  # a live step line is on screen, not ended yet
         self.recent: list[float] = []
 
     def step(self, record: dict[str, Any]) -> None:
@@ -128,17 +123,15 @@ class Progress:
         )
         if self.live:
             print("\r" + line, end="", flush=True)
+            self.open_line = True
         elif step % self.log_every == 0 or step in (1, self.total):
             print(line, flush=True)
 
     def message(self, text: str) -> None:
-        """A line of its own (validation, checkpoint), not overwritten by the next step."""
+        """Lines of their own, below a live step line."""
         if self.enabled:
-            print(("\n" if self.live else "") + text, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.live:
-            print(flush=True)
+            print(("\n" if self.open_line else "") + text, flush=True)
+            self.open_line = False
 
 
 def _mean(values: list) -> float | None:
@@ -168,6 +161,7 @@ def summary(records: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, A
         "reduce_scatter_bytes_per_step": _mean([r.get("reduce_scatter_bytes") for r in records]),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in records),
         "mfu": _mean([r.get("mfu") for r in timed]),
+        "train_time_s": sum(r["step_time_s"] for r in records),
     }
 
 
