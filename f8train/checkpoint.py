@@ -104,9 +104,9 @@ def _each_rank_a_share(names: list[str], fn: Callable[[str], Any]) -> dict[str, 
     return {k: v for part in all_gather_object(mine) for k, v in part.items()}
 
 
-def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> None:
     """Hash the saved folder (collective) and, on rank 0, write ``manifest.json`` (to a
-    temporary name, then renamed). Returns the manifest."""
+    temporary name, then renamed)."""
     rank, world = rank_world()
     names = None
     if rank == 0:
@@ -122,7 +122,6 @@ def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> dict[s
         tmp = path / f"{MANIFEST}.tmp{os.getpid()}"
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
         os.replace(tmp, path / MANIFEST)
-    return manifest
 
 
 def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -238,9 +237,7 @@ class Checkpointer:
 
     def step_dirs(self) -> list[Path]:
         """Folders named like a checkpoint (``step_N``), complete or not, oldest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
+        found = [p for p in self.root.glob("step_*") if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
         return sorted(found, key=step_of)
 
     def complete(self) -> list[Path]:

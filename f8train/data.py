@@ -185,8 +185,6 @@ def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[tor
 class _Layout:
     """This rank's ``local_batch`` rows of a ``global_batch`` of ``seq_len`` windows."""
 
-    what = "training split"
-
     def __init__(self, tokens, *, seq_len: int, global_batch: int, rank=0, world_size=1) -> None:
         for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
             if not isinstance(value, int) or value <= 0:
@@ -200,14 +198,11 @@ class _Layout:
                 f"global_batch={global_batch} is not divisible by world_size={world_size}; "
                 f"choose a global batch that is a multiple of {world_size}"
             )
-        if len(tokens) < seq_len + 1:
-            raise ValueError(
-                f"the {self.what} has {len(tokens)} tokens, fewer than seq_len + 1 = "
-                f"{seq_len + 1}; use a larger corpus (or a larger val_fraction) or a shorter "
-                "seq_len"
-            )
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.rank, self.local_batch = rank, global_batch // world_size
+
+    def mine(self, global_rows: np.ndarray) -> np.ndarray:
+        return global_rows[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]
 
 
 class TokenBatcher(_Layout):
@@ -215,6 +210,11 @@ class TokenBatcher(_Layout):
 
     def __init__(self, tokens: np.ndarray, *, seed: int = 0, **layout) -> None:
         super().__init__(tokens, **layout)
+        if len(tokens) < self.seq_len + 1:
+            raise ValueError(
+                f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = "
+                f"{self.seq_len + 1}; use a larger corpus or a shorter seq_len"
+            )
         self.seed, self.step = seed, 0
 
     def global_offsets(self, step: int) -> np.ndarray:
@@ -226,8 +226,7 @@ class TokenBatcher(_Layout):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.rank * self.local_batch
-        offsets = self.global_offsets(self.step)[start : start + self.local_batch]
+        offsets = self.mine(self.global_offsets(self.step))
         self.step += 1
         return _windows(self.tokens, offsets, self.seq_len)
 
@@ -249,8 +248,6 @@ class TokenBatcher(_Layout):
 class ValidationBatches(_Layout):
     """Fixed validation batches: consecutive non-overlapping windows, re-iterable."""
 
-    what = "validation split"
-
     def __init__(self, tokens: np.ndarray, *, num_batches: int | None = None, **layout) -> None:
         super().__init__(tokens, **layout)
         available = (len(tokens) - 1) // (self.seq_len * self.global_batch)
@@ -268,6 +265,5 @@ class ValidationBatches(_Layout):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for index in range(self.num_batches):
-            first_row = index * self.global_batch + self.rank * self.local_batch
-            rows = np.arange(first_row, first_row + self.local_batch)
+            rows = self.mine(np.arange(index * self.global_batch, (index + 1) * self.global_batch))
             yield _windows(self.tokens, rows * self.seq_len, self.seq_len)

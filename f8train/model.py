@@ -84,6 +84,7 @@ _GPU_MOE = dict(dim=2048, max_seq_len=4096)
 _DEEPSEEK = dict(
     n_experts=64, top_k=6, hidden_dim=1408, score_fn="sigmoid", shared_expert_hidden_dim=2816
 )
+_QWEN3 = dict(n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936, rope_theta=1e6)
 PRESETS: dict[str, ModelArgs] = {
     # ~3.3M parameters, byte-level; every linear dim is a multiple of 16 (float8 GEMMs)
     "tiny": ModelArgs(**_TINY),
@@ -101,13 +102,7 @@ PRESETS: dict[str, ModelArgs] = {
     ),
     # Qwen3-30B-A3B's shape: 128 experts top-8, expert hidden 768, softmax router, GQA
     "qwen3_moe_like": ModelArgs(
-        **_GPU_MOE,
-        n_layers=48,
-        n_heads=32,
-        n_kv_heads=4,
-        vocab_size=151936,
-        rope_theta=1e6,
-        moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768),
+        **_GPU_MOE, **_QWEN3, moe=MoEArgs(n_experts=128, top_k=8, hidden_dim=768)
     ),
 }
 
@@ -135,21 +130,14 @@ def build_args(flags) -> ModelArgs:
 
 
 def param_count(args: ModelArgs, *, exclude_embedding: bool = True, active: bool = False) -> int:
-    """Parameters of ``Transformer(args)`` from the shapes alone. ``exclude_embedding``
+    """Parameters of ``Transformer(args)``, counted on the meta device. ``exclude_embedding``
     leaves out the token embedding but counts the output head even when tied (its matmul
     runs: the N of 6N); ``active`` counts only the ``top_k`` experts a token runs through."""
-    kv_dim = args.kv_heads * args.head_dim
-    attention = 2 * args.dim * args.dim + 2 * args.dim * kv_dim
-    mlp = 3 * args.dim * args.ffn_hidden_dim
-    if args.moe is not None:
-        m = args.moe
-        experts = m.top_k if active else m.n_experts
-        mlp = 3 * args.dim * (experts * m.hidden_dim + m.shared_expert_hidden_dim)
-        mlp += m.n_experts * args.dim  # router
-    per_block = attention + mlp + 2 * args.dim
-    total = args.n_layers * per_block + args.dim + args.vocab_size * args.dim
-    if not exclude_embedding and not args.tie_embeddings:
-        total += args.vocab_size * args.dim
+    with torch.device("meta"):
+        untied = Transformer(dataclasses.replace(args, tie_embeddings=False))
+    total = num_params(untied, exclude_embedding=exclude_embedding or args.tie_embeddings)
+    if active and (moe := args.moe) is not None:
+        total -= args.n_layers * (moe.n_experts - moe.top_k) * 3 * args.dim * moe.hidden_dim
     return total
 
 
@@ -313,10 +301,8 @@ def _initial_value(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int
     # N(0, std^2) truncated to +-3 std by redrawing from normal_, which gives the same values
     # on torch 2.11 to 2.15 (nn.init.trunc_normal_ changed after 2.11; test_model.py pins it)
     z = torch.empty(shape).normal_(generator=generator)
-    outside = z.abs() > 3
-    while outside.any():
+    while (outside := z.abs() > 3).any():
         z[outside] = torch.empty(int(outside.sum())).normal_(generator=generator)
-        outside = z.abs() > 3
     return z * std
 
 

@@ -1,11 +1,10 @@
-"""The mixture-of-experts feed-forward of ``f8train.model`` (no expert parallelism).
+"""The mixture-of-experts feed-forward of ``f8train.model`` (no expert parallelism; docs/api.md).
 
-A float32 router (a plain parameter, so it stays in high precision) sends each token to its
-``top_k`` experts, weights renormalised over the k; tokens sorted by expert run through
-``GroupedExperts`` (torchtitan's layout, which the float8 conversion swaps for
-``Float8GroupedExperts``) and are scattered back; an optional dense shared expert adds to
-every token. Each forward keeps ``aux_loss`` (Switch load balancing ``E * sum_e f_e * p_e``:
-f the fraction of routed slots, p the mean router probability of expert e).
+A float32 router sends each token to its ``top_k`` experts (weights renormalised over the
+k); the tokens, sorted by expert, run through ``GroupedExperts`` (torchtitan's layout, which
+the float8 conversion swaps for ``Float8GroupedExperts``) and are scattered back; an optional
+dense shared expert adds to every token. Each forward keeps ``aux_loss`` (Switch load
+balancing ``E * sum_e f_e * p_e``: f the fraction of routed slots, p the mean probability).
 """
 
 from __future__ import annotations

@@ -113,7 +113,6 @@ def _show(value: Any) -> str:
 
 
 def refusal(path: str, conflicts: list[str], run_json: str, allow_recipe_change: bool) -> str:
-    """The message of a refused resume."""
     lines = "\n".join(f"  {c}" for c in conflicts)
     hint = ""
     if not allow_recipe_change and any(
@@ -159,10 +158,9 @@ def find_resume(
     if found is None:
         return None
     saved, allow = found.manifest.get("settings"), args.allow_recipe_change
-    changed, conflicts = [], []
-    if saved is not None:
-        changed = resume_conflicts(saved, settings, allow_recipe_change=False)
-        conflicts = resume_conflicts(saved, settings, allow_recipe_change=allow)
+    # None: a folder without a manifest whose run.json is gone, so nothing to compare with
+    changed = resume_conflicts(saved or settings, settings, allow_recipe_change=False)
+    conflicts = resume_conflicts(saved or settings, settings, allow_recipe_change=allow)
     if conflicts:  # before anything is renamed: a refusal changes nothing
         text = refusal(str(found.path), conflicts, _run_json(found.path), allow)
         for path, problems in found.damaged:
@@ -234,7 +232,7 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
     candidates = ckpt.complete()
     newest = candidates[-1] if candidates else None
     newest_step = step_of(newest) if newest else -1
-    doubt = [p for p in _loadable(ckpt) if step_of(p) > newest_step and not ckpt.is_complete(p)]
+    doubt = [p for p in _loadable(ckpt) if step_of(p) > newest_step]  # none has a manifest
     if doubt:
         _stop_in_doubt(ckpt, doubt, newest)
     for path in ckpt.step_dirs():  # an interrupted save newer than all: said, not skipped

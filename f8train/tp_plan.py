@@ -1,11 +1,8 @@
-"""The tensor-parallel plan of ``f8train.model``, torchtitan's layout.
-
-Per block: the norms are sequence-parallel; wq/wk/wv and w1/w3 colwise, wo and w2 rowwise
-(outputs reduce-scattered back to sequence shards). Attention's and the MLP's inputs go from
-sequence shards to whole, in float8 (``PrepareFloat8ModuleInput``, 1 byte per element) when
-their consumers are tensorwise float8 layers. The embedding is rowwise, the head colwise with
-a replicated output. A ``Float8Linear`` gets fsdp_float8's style, any other linear torch's,
-so the plan also serves a bf16 model. Apply after the float8 swap, before ``fully_shard``.
+"""The tensor-parallel plan of ``f8train.model``, torchtitan's layout (docs/api.md, Tensor
+parallelism): sequence-parallel norms, colwise wq/wk/wv/w1/w3, rowwise wo/w2 (outputs back
+to sequence shards), the embedding rowwise, the head colwise. A ``Float8Linear`` gets
+fsdp_float8's style, any other linear torch's; a block's input is gathered in float8 when
+every consumer casts it tensorwise. Apply after the float8 swap, before ``fully_shard``.
 """
 
 from __future__ import annotations
