@@ -1,30 +1,26 @@
 """Train several float8 configurations on the same data and seed and compare them.
 
-Run from the repository root (it launches ``torchrun ... -m f8train.train`` once per
-configuration; flags it does not know are passed on to every training run):
-
+Run from the repository root (unknown flags go to every `f8train.train` run):
     python -m f8train.compare                               # 2 CPU ranks, the default runs
     python -m f8train.compare --nproc 2 --steps 100 --configs bf16,tensorwise,delayed
     python -m f8train.compare --nproc 8 --device cuda --preset small --steps 2000
+    python -m f8train.compare --runs OUT/train_bf16 OUT/train_float8 --json OUT/cmp.json
 
-Each configuration trains into ``OUT/NAME/``: a finished run of the same command is reused
-(``--rerun`` trains again); an earlier run in the way is renamed ``NAME.previous``, never
-deleted. Writes ``OUT/compare.md`` (train and validation loss, the validation gap to bf16,
-tokens/s, all-gather bytes per step, peak memory) and ``OUT/loss_curves.png`` (matplotlib).
+Each configuration trains into `OUT/NAME/` (docs/trainer.md); writes `OUT/compare.md` and
+`OUT/loss_curves.png`. `--runs` trains nothing: it sets two finished or cut-short runs side
+by side from their `metrics.jsonl` (no torch import: seconds after a GPU run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from f8train.bench_common import parse_choices
-from f8train.checkpoint import aside_name
 from f8train.plot_numerics import pyplot
-from f8train.train_log import fmt_bytes, read_metrics
 
 CONFIGS: dict[str, list[str]] = {
     "bf16": ["--recipe", "off"],
@@ -39,18 +35,31 @@ BASELINE = "bf16"
 # float8-only flags of f8train.train (a --recipe off run refuses them as ignored)
 _FLOAT8_VALUE_FLAGS = ("--scaling", "--static-scales", "--delayed-history", "--float8-skip")
 _FLOAT8_VALUE_FLAGS += ("--numerics-every",)
-_FLOAT8_BARE_FLAGS = ("--fp8-all-gather", "--no-fp8-all-gather", "--emulate", "--no-precompute")
+_FLOAT8_FLAGS = (*_FLOAT8_VALUE_FLAGS, "--fp8-all-gather", "--no-fp8-all-gather", "--emulate")
+_FLOAT8_FLAGS += ("--no-precompute",)
+# --runs: figure -> format; the first three also as the second run over the first
+RUN_FIGURES = {"tokens_per_s": ",.0f", "mfu": ".3f", "peak_memory_gib": ".2f", "final_loss": ".4f"}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
     parser.add_argument("--out", default="runs/compare")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rerun", action="store_true", help="train again even if finished")
+    parser.add_argument("--runs", nargs=2, metavar="DIR", help="compare two runs, train nothing")
+    parser.add_argument("--skip", type=int, default=5, help="--runs: steps left out of medians")
+    parser.add_argument("--json", default=None, help="--runs: write the comparison here")
     args, train_args = parser.parse_known_args(argv)
-    args.names = parse_choices(parser, args.configs, CONFIGS, "--configs")
+    if args.runs and train_args:
+        parser.error(f"--runs trains nothing, so {train_args} would be ignored: drop them")
+    if not args.runs:  # bench_common imports torch, which --runs does without
+        from f8train.bench_common import parse_choices
+
+        args.names = parse_choices(parser, args.configs, CONFIGS, "--configs")
     return args, train_args
 
 
@@ -65,20 +74,20 @@ def train_command(name: str, args: argparse.Namespace, train_args: list[str]) ->
 
 def _without_float8_flags(train_args: list[str]) -> list[str]:
     """The flags passed on to every run, less those that act only on float8 layers."""
-    kept, skip_next = [], False
-    for arg in train_args:
-        name = arg.partition("=")[0]
-        if skip_next:
-            skip_next = False
-        elif name in _FLOAT8_VALUE_FLAGS:
-            skip_next = "=" not in arg
-        elif arg not in _FLOAT8_BARE_FLAGS:
+    kept, args = [], iter(train_args)
+    for arg in args:
+        if arg in _FLOAT8_VALUE_FLAGS:
+            next(args, None)  # its value
+        elif arg.partition("=")[0] not in _FLOAT8_FLAGS:
             kept.append(arg)
     return kept
 
 
 def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> dict:
     """Train one configuration (or reuse a finished run with the same command)."""
+    from f8train.checkpoint import aside_name
+    from f8train.train_log import read_metrics
+
     out = Path(args.out) / name
     command = train_command(name, args, train_args)
     stamp = out / "compare_command.json"
@@ -102,6 +111,8 @@ def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> di
 
 
 def markdown_table(results: list[dict]) -> str:
+    from f8train.train_log import fmt_bytes
+
     base = next((r for r in results if r["name"] == BASELINE and "summary" in r), None)
     base_val = base["summary"]["val_loss"] if base else None
     rows = [
@@ -116,11 +127,55 @@ def markdown_table(results: list[dict]) -> str:
         gap = f"{100 * (val - base_val) / base_val:+.2f}%" if val is not None and base_val else "-"
         rows.append(
             f"| {r['name']} | {s['final_loss_avg10']:.4f} | "
-            f"{'-' if val is None else f'{val:.4f}'} | {gap} | {s['tokens_per_s']:,.0f} | "
+            f"{_fmt(val, '.4f')} | {gap} | {s['tokens_per_s']:,.0f} | "
             f"{fmt_bytes(s.get('all_gather_bytes_per_step'))} | "
             f"{fmt_bytes(s.get('peak_memory_bytes'))} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def run_figures(run_dir: str | Path, skip: int) -> dict:
+    """Medians of tokens/s and MFU after the first `skip` steps (compilation, allocator
+    warm-up), the peak memory of all steps, the last loss; None where no step has it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    steps = [json.loads(line) for line in lines if line.strip()]
+    timed = [s for s in steps if s.get("step", 0) > skip]
+    mfus = [s["mfu"] for s in timed if s.get("mfu") is not None]
+    mems = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes") is not None]
+    return {
+        "run": str(run_dir),
+        "steps": len(steps),
+        "timed_steps": len(timed),
+        "tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed) if timed else None,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "peak_memory_gib": max(mems) / 2**30 if mems else None,
+        "final_loss": steps[-1]["loss"] if steps else None,
+    }
+
+
+def compare_runs(run_dirs: list[str], skip: int, json_path: str | None = None) -> dict:
+    """Two runs' figures as a table, the second over the first in the last row."""
+    first, second = (run_figures(r, skip) for r in run_dirs)
+    keys = list(RUN_FIGURES)[:3]
+    ratio = {k: second[k] / first[k] if first[k] and second[k] is not None else None for k in keys}
+    rows = [
+        "| run | timed steps | tokens/s | MFU | peak GiB | final loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in (first, second):
+        cells = [_fmt(r[k], spec) for k, spec in RUN_FIGURES.items()]
+        rows.append(f"| {r['run']} | {r['timed_steps']} | {' | '.join(cells)} |")
+    rows.append(f"| second / first | | {' | '.join(_fmt(v, '.3f') for v in ratio.values())} | |")
+    print("\n".join(rows))
+    payload = {"skip": skip, "runs": [first, second], "ratio": ratio}
+    if json_path:
+        Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
 
 
 def plot(results: list[dict], path: Path) -> bool:
@@ -159,6 +214,9 @@ def plot(results: list[dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
+    if args.runs:
+        compare_runs(args.runs, args.skip, args.json)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [run_config(name, args, train_args) for name in args.names]

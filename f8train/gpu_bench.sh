@@ -4,14 +4,9 @@
 #   f8train/gpu_bench.sh OUTDIR        # run (from anywhere; it cd's to the repository root)
 #   f8train/gpu_bench.sh --dry-run     # print each step with its time limit, and the total
 #
-# Runs the machine's torch on the checkout, nothing installed (PYTHON: the interpreter,
-# default python3). Each step runs under `timeout LIMIT` (SIGKILL KILL_S later); limits plus
-# kill margins add up to at most 360 s (tests/f8train/test_gpu_bench.py). Benchmarks write
-# their JSON after every row, so a step cut short keeps what it measured. Steps, most
-# valuable first (no mxfp8: its GEMMs need SM100): the `gpu` tests; f8train.train bf16 and
-# tensorwise, compiled, side by side (train_compare); bench_linear eager with the GEMM/other
-# split; bench_fsdp on one NCCL rank; bench_cast; bench_linear compiled on two FFN shapes.
-# OUTDIR gets env.txt, gpu_tests.xml, train_*/, *.json and gpu_bench.log (all output).
+# Runs the machine's torch (PYTHON, default python3) on the checkout, nothing installed. Each
+# step runs under `timeout LIMIT` (SIGKILL KILL_S later); the steps and what they write are
+# in docs/gpu.md; tests/f8train/test_gpu_bench.py checks the 360 s total.
 set -uo pipefail
 
 KILL_S=5
@@ -62,7 +57,7 @@ TRAIN=(-m torch.distributed.run --standalone --nproc_per_node 1 -m f8train.train
   --val-every 0 --ckpt-every 0 --compile)
 step train_bf16 55 "$PYTHON" "${TRAIN[@]}" --recipe off --out "$OUT/train_bf16"
 step train_float8 55 "$PYTHON" "${TRAIN[@]}" --recipe tensorwise --out "$OUT/train_float8"
-step train_compare 5 "$PYTHON" -m f8train.train_compare "$OUT/train_bf16" \
+step train_compare 5 "$PYTHON" -m f8train.compare --runs "$OUT/train_bf16" \
   "$OUT/train_float8" --json "$OUT/train_compare.json"
 
 step linear_eager 45 "$PYTHON" -m f8train.bench_linear --device cuda --shapes llama \

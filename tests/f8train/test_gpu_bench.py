@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
-from f8train.train_compare import main as train_compare
+from f8train.compare import compare_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 360  # 6 minutes of step limits, kill margins included
@@ -66,13 +67,31 @@ def _metrics(run: Path, tokens_per_s: list[float], mem_gib: float) -> None:
 def test_train_compare_takes_medians_after_warmup_and_partial_runs(tmp_path):
     _metrics(tmp_path / "bf16", [10.0, 90.0, 100.0, 110.0], 40.0)
     _metrics(tmp_path / "float8", [5.0, 150.0, 160.0], 30.0)  # cut short by its timeout
-    out = train_compare(
-        [str(tmp_path / "bf16"), str(tmp_path / "float8"), "--skip", "1",
-         "--json", str(tmp_path / "cmp.json")]
-    )  # fmt: skip
+    out = compare_runs(
+        [str(tmp_path / "bf16"), str(tmp_path / "float8")], 1, str(tmp_path / "cmp.json")
+    )
     bf16, float8 = out["runs"]
     assert (bf16["tokens_per_s"], float8["tokens_per_s"]) == (100.0, 155.0)
     assert out["ratio"]["tokens_per_s"] == 1.55 and out["ratio"]["peak_memory_gib"] == 0.75
     assert json.loads((tmp_path / "cmp.json").read_text())["ratio"] == out["ratio"]
-    missing = train_compare([str(tmp_path / "bf16"), str(tmp_path / "none")])
+    missing = compare_runs([str(tmp_path / "bf16"), str(tmp_path / "none")], 5)
     assert missing["runs"][1]["tokens_per_s"] is None and missing["ratio"]["mfu"] is None
+
+
+def test_compare_runs_cli_imports_no_torch_and_refuses_training_flags(tmp_path):
+    """The step has 5 s: `python -m f8train.compare --runs` must not import torch."""
+    _metrics(tmp_path / "a", [10.0, 20.0], 1.0)
+    code = (
+        "import sys; from f8train import compare; "
+        f"rc = compare.main(['--runs', {str(tmp_path / 'a')!r}, {str(tmp_path / 'a')!r}]); "
+        "assert rc == 0 and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+    refused = subprocess.run(
+        [sys.executable, "-m", "f8train.compare", "--runs", "a", "b", "--dim", "64"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--runs trains nothing" in refused.stderr
