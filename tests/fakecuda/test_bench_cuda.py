@@ -41,5 +41,5 @@ def test_bench_cast_cuda_rows():
     with fake_gpu_machine(), resolve, name:
         out = bench_cast.main(["--device", "cuda", "--sizes", "256x512", "--iters", "1"])
     rows = out["results"]
-    assert len(rows) >= 2 + len(bench_cast.CASTS)
+    assert len(rows) >= 1 + len(bench_cast.CASTS)
     assert all(r.get("error") is None for r in rows), [(r["case"], r["error"]) for r in rows]
