@@ -22,6 +22,7 @@ from f8train.bench_common import (
     bench_parser,
     column,
     parse_choices,
+    parse_dims,
     resolve_device,
     short_error,
     time_ms,
@@ -144,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.iters = args.iters if args.iters is not None else (3 if args.quick else 50 if cuda else 10)
     sizes = SIZES["quick" if args.quick else device.type]
     if args.sizes:
-        try:
-            sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",")]
-        except ValueError:
-            p.error(f"--sizes {args.sizes!r}: expected 'RxC,RxC', e.g. 8192x4096")
+        sizes = parse_dims(p, "--sizes", args.sizes, 2)
     settings = {k: getattr(args, k) for k in ("modes", "cases", "warmup", "iters")}
     settings |= {"float8_dtype": str(E4M3), "ratio": "copy_ms / cast_ms, same bf16 source"}
     report = Report("cast", device, args.json, _columns(not cuda), settings=settings)

@@ -18,12 +18,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_float8.core.gemm import _cpu_scaled_mm
 
 # Dense (no sparsity) peak TFLOP/s of the SXM parts, from NVIDIA's datasheets; the one table
 # that benchmarks (% of peak) and the trainer (MFU, against bf16) read. No "fp8": no float8.
@@ -152,6 +155,20 @@ def parse_choices(parser, text: str, known: Sequence[str], what: str) -> list[st
     return names
 
 
+def parse_dims(parser, flag: str, text: str, arity: int) -> list[tuple[int, ...]]:
+    """'AxB,AxB' (`arity` numbers each) as tuples; anything else is a parser error."""
+    try:
+        dims = [tuple(int(v) for v in spec.lower().split("x")) for spec in text.split(",")]
+    except ValueError:
+        dims = []
+    if not dims or any(len(d) != arity for d in dims):
+        example = "x".join(["4096"] * arity)
+        parser.error(
+            f"{flag} {text!r}: expected {arity} sizes joined by 'x', comma-separated, e.g. {example}"
+        )
+    return dims
+
+
 def fmt(value: Any, spec: str = ".2f") -> str:
     """A number for a table; None, NaN and strings pass through readably."""
     if value is None or isinstance(value, str | bool):
@@ -273,16 +290,64 @@ def _cpu_peak_mib(prof) -> float | None:
     return peak / 2**20
 
 
-class HostReads(TorchDispatchMode):
-    """Counts `aten._local_scalar_dense` (what `.item()`, `bool(t)` run): `count` all,
-    `device_count` those of a non-CPU tensor (each a device sync)."""
+# ops counted: aten's, and this library's CPU GEMM (a custom op), which OpCounter opens
+# like a subclass: its body runs under the counter
+_COUNTED = ("aten", "fsdp_float8")
+_OPENED_OPS = {torch.ops.fsdp_float8.cpu_scaled_mm.default: _cpu_scaled_mm}
 
-    def __init__(self) -> None:
+
+class OpCounter(TorchDispatchMode):
+    """Non-view ops by name: `top` as a dispatch mode sees them; `deep` also opens the float8
+    subclasses (fsdp_float8's, torchao's; not DTensor) and the CPU GEMM op and counts what
+    they run inside instead of them. `kinds`: every top op, views too, by `kind(name, args,
+    kwargs)` when given. Host reads (`.item()`, a sync each on a GPU) are
+    `top["_local_scalar_dense"]`."""
+
+    def __init__(self, kind: Callable[[str, tuple, dict], str] | None = None) -> None:
         super().__init__()
-        self.count = self.device_count = 0
+        self.top: Counter[str] = Counter()
+        self.deep: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
+        self._kind, self._depth = kind, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-            self.device_count += args[0].device.type != "cpu"
-        return func(*args, **(kwargs or {}))
+        kwargs, name = kwargs or {}, func.overloadpacket.__name__
+        if self._kind is not None and self._depth == 0:
+            self.kinds[self._kind(name, args, kwargs)] += 1
+        sub = next((t for t in types if t.__module__.startswith(("fsdp_float8", "torchao"))), None)
+        inner = _OPENED_OPS.get(func)
+        if sub is None and inner is None:
+            out = func(*args, **kwargs)
+        else:  # open it: what it runs inside is counted in `deep`
+            self._depth += 1
+            try:
+                with self:
+                    if inner is not None:
+                        out = inner(*args, **kwargs)
+                    else:
+                        out = sub.__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._depth -= 1
+        if func.namespace in _COUNTED and not _is_view(func, args, out):
+            if self._depth == 0:
+                self.top[name] += 1
+            if sub is None and inner is None:
+                self.deep[name] += 1
+        return out
+
+
+def _is_view(func, args, out) -> bool:
+    """A view does no work: `_unsafe_view` (a view whose schema declares no alias) and the
+    ops whose schema may alias (`contiguous`, `reshape`) unless their output has its own
+    storage (a wrapper subclass has no storage: a view)."""
+    if func is torch.ops.aten._unsafe_view.default:
+        return True
+    if not func.is_view:
+        return False
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return True
+    try:
+        return out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return True

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8train.bench_common import (
-    HostReads,
+    OpCounter,
     Report,
     StepProbe,
     bench_parser,
@@ -188,7 +188,7 @@ def measure(run: Run, args, rank: int, device) -> dict:
         if step > args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
-    with StepProbe(device) as probe, CollectiveCounter() as steady, HostReads() as reads:
+    with StepProbe(device) as probe, CollectiveCounter() as steady, OpCounter() as ops:
         loss = train_step(run, args.preset, 1 + args.warmup + args.steps, rank, device)
     return {
         "step_ms": times,
@@ -196,8 +196,7 @@ def measure(run: Run, args, rank: int, device) -> dict:
         "init": _counts(init, init_probe),
         "first_step": _counts(first, first_probe),
         "per_step": _counts(steady, probe),
-        "host_reads_per_step": reads.count,
-        "device_syncs_per_step": reads.device_count,
+        "host_reads_per_step": ops.top["_local_scalar_dense"],
         "peak_mem_mib": probe.peak_mib,
         "losses": [*losses, loss.item()],
     }

@@ -6,33 +6,30 @@ Run (from the repository root):
     python -m f8train.bench_linear --device cuda --compile --shapes llama --json out/linear.json
     python -m f8train.bench_linear --quick --json /tmp/linear.json   # smoke test sizes
 
-A shape is (M tokens, K in, N out). A step is `layer(x).backward(grad_output)` in bf16: the
-three GEMMs (6*M*K*N FLOPs) and every cast, for `nn.Linear` and each recipe's
-`Float8Linear.from_float` of it (same weight); `--compile` adds compiled layers. A failing
-case is a row with its error. Columns: median ms, speedup = bf16 / float8, the float8
-output's SQNR against bf16, on a known GPU TFLOP/s and % of the dense peak. `--kernels`
-splits one more step into GEMM time and the rest; `--profile` counts the aten ops of one
-eager step by kind. On the CPU float8 is emulated (dequantize + float32 GEMM): CPU rows
-measure overhead, not float8 speed.
+A shape is (M tokens, K in, N out); a step is `layer(x).backward(grad_output)` in bf16 (the
+three GEMMs, 6*M*K*N FLOPs, and every cast) for `nn.Linear` and each recipe's
+`Float8Linear.from_float` of it. Columns: median ms, speedup = bf16 / float8, the float8
+output's SQNR against bf16, on a known GPU TFLOP/s and % of the dense peak; a failing case
+is a row with its error. On the CPU float8 is emulated: CPU rows measure overhead only.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8train.bench_common import (
     ERROR,
+    OpCounter,
     Report,
     bench_parser,
     column,
     fmt,
     markdown_table,
     parse_choices,
+    parse_dims,
     peak_tflops,
     resolve_device,
     short_error,
@@ -54,7 +51,7 @@ class Shape(NamedTuple):
     n: int
 
 
-def shapes_for(preset: str) -> list[Shape]:
+def shapes_for(preset: str, parser) -> list[Shape]:
     """A preset (quick, cpu, llama, llama_ffn: Llama-3 8B and 70B layers at 16384 tokens)
     or explicit shapes 'MxKxN,MxKxN'."""
     if preset == "quick":
@@ -74,14 +71,7 @@ def shapes_for(preset: str) -> list[Shape]:
                 if preset == "llama" or name.startswith("ffn"):
                     shapes.append(Shape(f"llama3_{size}.{name}", 16384, k, n))
         return shapes
-    try:
-        mkn = [[int(v) for v in spec.lower().split("x")] for spec in preset.split(",")]
-        return [Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in mkn]
-    except ValueError:
-        raise SystemExit(
-            f"--shapes {preset!r}: expected quick, cpu, llama, llama_ffn or 'MxKxN,...' "
-            "(e.g. 16384x4096x14336)"
-        ) from None
+    return [Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in parse_dims(parser, "--shapes", preset, 3)]
 
 
 def _layer(base: nn.Linear, recipe: str | None, mode: str) -> nn.Module:
@@ -145,7 +135,6 @@ def bench_shape(shape: Shape, args, device, peaks, report: Report) -> None:
                     row[f"{name}_split"] = r.get("split")
                 if tflops and (peaks or {}).get(peak):
                     row[f"{name}_pct_peak"] = 100 * tflops / peaks[peak]
-            row["float8_min_ms"] = res.get("min_ms")
             both = ref["median_ms"] and res["median_ms"]
             row["speedup"] = ref["median_ms"] / res["median_ms"] if both else None
             outs = ref["output"], res["output"]
@@ -186,10 +175,10 @@ GEMM_OPS = ("aten::mm", "aten::_scaled_mm", "aten::addmm", "aten::bmm", "aten::m
 
 
 def kernel_breakdown(step, device: torch.device) -> dict:
-    """Profile one `step()`: {gemm_ms, other_ms, gemm_share, kernels, top_ms}. CUDA: each
-    kernel's GPU time, a GEMM when its name says so; `kernels` counts launches. CPU: the
-    outermost GEMM ops' CPU time (children included: `_scaled_mm` dequantizes inside)
-    against the step's wall time; compiled CPU kernels land in `other_ms`."""
+    """Profile one `step()`: {gemm_ms, other_ms, gemm_share, kernels}. CUDA: each kernel's
+    GPU time, a GEMM when its name says so; `kernels` counts launches. CPU: the outermost
+    GEMM ops' CPU time (children included: `_scaled_mm` dequantizes inside) against the
+    step's wall time; compiled CPU kernels land in `other_ms`."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -198,26 +187,21 @@ def kernel_breakdown(step, device: torch.device) -> dict:
     with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * cuda]) as prof:
         step()
         synchronize(device)
-    events = list(prof.events())
-    count: int | None = None
+    events, count = list(prof.events()), None
     if cuda:
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-        times = [(e.name, e.time_range.elapsed_us() / 1e3) for e in kernels]
-        gemm = sum(t for name, t in times if any(w in name.lower() for w in GEMM_KERNEL_WORDS))
+        times = [(e.name.lower(), e.time_range.elapsed_us() / 1e3) for e in kernels]
+        gemm = sum(t for name, t in times if any(w in name for w in GEMM_KERNEL_WORDS))
         total, count = sum(t for _, t in times), len(kernels)
     else:
         total = sum(e.time_range.elapsed_us() for e in events if e.cpu_parent is None) / 1e3
         gemm = sum(e.cpu_time_total for e in events if _outermost_gemm(e)) / 1e3
-        times = [(e.name, e.self_cpu_time_total / 1e3) for e in events]
-    by_name: Counter[str] = Counter()
-    for name, t in times:
-        by_name[name[:57] + "..." if len(name) > 60 else name] += t
+    share = gemm / total if total else None
     return {
         "gemm_ms": gemm,
         "other_ms": max(total - gemm, 0.0),
-        "gemm_share": gemm / total if total else None,
+        "gemm_share": share,
         "kernels": count,
-        "top_ms": {k: round(v, 3) for k, v in by_name.most_common(6)},
     }
 
 
@@ -228,69 +212,48 @@ def _outermost_gemm(event) -> bool:
     return event.name in GEMM_OPS and parent is None
 
 
-class OpCensus(TorchDispatchMode):
-    """Counts the aten ops of a region by what they do to a float8 linear's cost."""
+REDUCTIONS = ("amax", "amin", "aminmax", "max", "linalg_vector_norm", "_foreach_norm")
+PASSES = ("_to_copy", "mul", "mul_", "clamp", "clamp_", "abs", "reciprocal", "div")
 
-    REDUCTIONS = ("amax", "amin", "aminmax", "max", "linalg_vector_norm", "_foreach_norm")
-    PASSES = ("_to_copy", "mul", "mul_", "clamp", "clamp_", "abs", "reciprocal", "div")
 
-    def __init__(self, small_numel: int) -> None:
-        super().__init__()
-        self.small = small_numel  # at most this many elements: a scale, not an operand
-        self.ops: Counter[str] = Counter()
-        self.kinds: Counter[str] = Counter()
+def op_kind(small_numel: int):
+    """OpCounter's `kind` for a float8 linear: what an op does to its cost; a tensor of at
+    most `small_numel` elements is a scale, not an operand."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops[str(func)] += 1
-        self.kinds[self._kind(func.overloadpacket.__name__, args, kwargs or {})] += 1
-        return out
-
-    def _kind(self, name: str, args, kwargs) -> str:
+    def kind(name: str, args, kwargs) -> str:
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if name == "_local_scalar_dense":
             return "host reads (.item())"
-        if name in ("_scaled_mm", "mm", "addmm"):
+        if name in ("_scaled_mm", "cpu_scaled_mm", "mm", "addmm"):
             return "GEMMs"
-        if first is None or first.numel() <= self.small:
+        if first is None or first.numel() <= small_numel:
             return "small ops (scales)"
-        if name in self.REDUCTIONS:
+        if name in REDUCTIONS:
             return "amax reductions"
         if name == "_to_copy" and kwargs.get("dtype", first.dtype).itemsize == 1:
             return "float8 casts (writes)"
         if first.dtype.itemsize == 1 and name in ("clone", "contiguous", "_to_copy"):
             return "float8 layout copies (transposes)"
-        return "elementwise passes over operands" if name in self.PASSES else "other"
+        return "elementwise passes over operands" if name in PASSES else "other"
+
+    return kind
 
 
 def profile_recipes(shape: Shape, recipes: list[str], device) -> dict:
-    """One eager forward + backward per recipe: op census and the profiler's top ops;
-    printed as a table of kinds by recipe."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """The aten ops of one eager forward + backward per recipe by kind, printed as a table."""
     base, x, grad_output = _inputs(shape, device)
     report = {}
     for recipe in recipes:
         step = _step(_layer(base, recipe, "eager"), x, grad_output)
         step()
-        with OpCensus(small_numel=max(shape.m, shape.n, shape.k)) as census:
+        with OpCounter(kind=op_kind(max(shape.m, shape.n, shape.k))) as counter:
             step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
-        report[recipe] = {
-            "kinds": dict(census.kinds.most_common()),
-            "ops": dict(census.ops.most_common()),
-            "top_self_cpu_ms": {e.key: e.self_cpu_time_total / 1e3 for e in top},
-        }
+        report[recipe] = {"kinds": dict(counter.kinds.most_common()), "ops": dict(counter.top)}
     print(f"\nop census, one forward + backward of {shape.m}x{shape.k}x{shape.n} (eager)")
     kinds = sorted({k for r in report.values() for k in r["kinds"]})
     rows = [[k] + [r["kinds"].get(k, 0) for r in report.values()] for k in kinds]
-    rows.append(["total aten ops"] + [sum(r["ops"].values()) for r in report.values()])
+    rows.append(["total aten ops"] + [sum(r["kinds"].values()) for r in report.values()])
     print(markdown_table(["kind", *report], rows))
-    for recipe, r in report.items():
-        top_ms = ", ".join(f"{k} {v:.1f}" for k, v in r["top_self_cpu_ms"].items())
-        print(f"{recipe} top self-CPU ms: {top_ms}")
     return report
 
 
@@ -300,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--compile", action="store_true", help="also run torch.compile'd layers")
     p.add_argument("--compile-only", action="store_true", help="only torch.compile'd layers")
-    p.add_argument("--profile", action="store_true", help="op census + profiler, first shape")
+    p.add_argument("--profile", action="store_true", help="aten ops by kind, first shape")
     p.add_argument("--kernels", action="store_true", help="GEMM / other time split per case")
     args = p.parse_args(argv)
     args.recipes = parse_choices(p, args.recipes, RECIPES, "recipe(s)")
@@ -308,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device, threads=args.threads)
     cuda = device.type == "cuda"
     preset = args.shapes or ("quick" if args.quick else "llama" if cuda else "cpu")
-    shapes = shapes_for(preset)
+    shapes = shapes_for(preset, p)
     args.warmup = args.warmup if args.warmup is not None else 5 if cuda and not args.quick else 1
     args.iters = args.iters if args.iters is not None else 2 if args.quick else 20 if cuda else 5
     peaks = peak_tflops(device)

@@ -18,16 +18,15 @@ real GEMM path) with the same recipe names where `torchao.float8` imports.
 
 from __future__ import annotations
 
-import collections
 import datetime
 import os
 import pickle
 import tempfile
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8train.bench_common import (
+    OpCounter,
     markdown_table,
     parse_choices,
     short_error,
@@ -36,16 +35,11 @@ from f8train.bench_common import (
 )
 from f8train.bench_fsdp import PRESETS, build, convert, train_step
 from f8train.model import FeedForward
-from fsdp_float8.core.gemm import _cpu_scaled_mm
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 BLOCK = dict(dim=512, hidden=1408, batch=4, seq=256)  # the compiled SwiGLU block
 WORLD = 2
-# ops counted: aten's, and this library's CPU GEMM (a custom op), which `deep` opens like
-# a subclass: its body runs under the counter
-_COUNTED = ("aten", "fsdp_float8")
-_OPENED_OPS = {torch.ops.fsdp_float8.cpu_scaled_mm.default: _cpu_scaled_mm}
 
 
 def compiled_kernel_count(lib: str, recipe: str) -> int:
@@ -66,58 +60,6 @@ def compiled_kernel_count(lib: str, recipe: str) -> int:
         count = metrics.generated_kernel_count
     torch._dynamo.reset()
     return count
-
-
-class OpCounter(TorchDispatchMode):
-    """Non-view aten ops by name: `top` as dispatch sees them, `deep` inside the float8
-    subclasses too (see the module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.top: collections.Counter[str] = collections.Counter()
-        self.deep: collections.Counter[str] = collections.Counter()
-        self._depth = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        sub = next((t for t in types if t.__module__.startswith(("fsdp_float8", "torchao"))), None)
-        inner = _OPENED_OPS.get(func)
-        if sub is None and inner is None:
-            out = func(*args, **kwargs)
-        else:  # open it: what it runs inside is counted in `deep`
-            self._depth += 1
-            try:
-                with self:
-                    if inner is not None:
-                        out = inner(*args, **kwargs)
-                    else:
-                        out = sub.__torch_dispatch__(func, types, args, kwargs)
-            finally:
-                self._depth -= 1
-        if func.namespace in _COUNTED and not _is_view(func, args, out):
-            name = func.overloadpacket.__name__
-            if self._depth == 0:
-                self.top[name] += 1
-            if sub is None and inner is None:
-                self.deep[name] += 1
-        return out
-
-
-def _is_view(func, args, out) -> bool:
-    """A view does no work: `_unsafe_view` (a view whose schema declares no alias) and the
-    ops whose schema may alias (`contiguous`, `reshape`) unless their output has its own
-    storage (a wrapper subclass has no storage: a view)."""
-    if func is torch.ops.aten._unsafe_view.default:
-        return True
-    if not func.is_view:
-        return False
-    first = args[0] if args else None
-    if not isinstance(first, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return True
-    try:
-        return out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return True
 
 
 def eager_step_ops(rank: int, world: int, lib: str, recipe: str) -> dict:
