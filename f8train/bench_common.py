@@ -9,7 +9,9 @@ so a run cut short keeps every row it measured. Every JSON file opens with `envi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -19,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +90,7 @@ def time_ms(fn: Callable[[], object], device, *, warmup=3, iters=10) -> dict[str
     for _ in range(warmup):
         fn()
     synchronize(device)
-    times: list[float] = []
-    cpu: list[float] = []
+    out = {}
     if device.type == "cuda":
         pairs = [[torch.cuda.Event(enable_timing=True) for _ in "se"] for _ in range(iters)]
         for start, end in pairs:
@@ -99,15 +100,19 @@ def time_ms(fn: Callable[[], object], device, *, warmup=3, iters=10) -> dict[str
         torch.cuda.synchronize(device)
         times = [start.elapsed_time(end) for start, end in pairs]
     else:
+        times, cpu = [], []
         for _ in range(iters):
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
             cpu.append((time.process_time() - c0) * 1e3)
-    out = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
-    if cpu:
         out["cpu_median_ms"] = statistics.median(cpu)
-    return out
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "max_ms": max(times),
+        **out,
+    }
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -121,13 +126,13 @@ def environment(device: torch.device) -> dict[str, Any]:
         commit = ""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
-    cpu_name = platform.processor() or platform.machine()
+    cuda_name = device.type == "cuda" and torch.cuda.get_device_name(device)
     return {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name,
+        "device_name": cuda_name or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "git_commit": commit or None,
@@ -228,43 +233,30 @@ def torchao_error() -> str | None:
     return None
 
 
-class StepProbe:
+@contextlib.contextmanager
+def step_probe(device: torch.device) -> Iterator[dict]:
     """Profiles one step for two figures a dispatch mode cannot give: `backend_counts`,
     collectives by kind as the backend ran them (the profiler's `gloo:*`/`nccl:*` events,
     which also see what DTensor issues inside its own ops), and `peak_mib`, the step's peak
     memory above what was live at its start (CUDA: the allocator's peak; CPU: the profiler's
     allocation events summed in time order; None if unavailable)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.backend_counts: dict[str, int] = {}
-        self.peak_mib: float | None = None
-
-    def __enter__(self) -> StepProbe:
-        from torch.profiler import ProfilerActivity, profile
-
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda)
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        synchronize(self.device)
-        self._prof.__exit__(*exc)
-        if exc[0] is not None:
-            return
-        for event in self._prof.events():
-            kind = _backend_kind(event.name)
-            if kind:
-                self.backend_counts[kind] = self.backend_counts.get(kind, 0) + 1
-        if self.device.type == "cuda":
-            self.peak_mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
-        else:
-            self.peak_mib = _cpu_peak_mib(self._prof)
+    cuda, figures = device.type == "cuda", {}
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda) as prof:
+        yield figures
+        synchronize(device)
+    figures["backend_counts"] = Counter(
+        filter(None, (_backend_kind(e.name) for e in prof.events()))
+    )
+    if cuda:
+        figures["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    else:
+        figures["peak_mib"] = _cpu_peak_mib(prof)
 
 
 def _backend_kind(name: str) -> str | None:
@@ -283,11 +275,7 @@ def _cpu_peak_mib(prof) -> float | None:
         deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     except Exception:  # a private profiler API: no figure rather than a crash
         return None
-    live = peak = 0
-    for _, nbytes in deltas:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2**20
+    return max(itertools.accumulate(n for _, n in deltas), default=0) / 2**20
 
 
 # ops counted: aten's, and this library's CPU GEMM (a custom op), which OpCounter opens
@@ -316,22 +304,21 @@ class OpCounter(TorchDispatchMode):
             self.kinds[self._kind(name, args, kwargs)] += 1
         sub = next((t for t in types if t.__module__.startswith(("fsdp_float8", "torchao"))), None)
         inner = _OPENED_OPS.get(func)
-        if sub is None and inner is None:
+        if inner is None and sub is not None:
+            inner = lambda *a, **k: sub.__torch_dispatch__(func, types, a, k)
+        if inner is None:
             out = func(*args, **kwargs)
         else:  # open it: what it runs inside is counted in `deep`
             self._depth += 1
             try:
                 with self:
-                    if inner is not None:
-                        out = inner(*args, **kwargs)
-                    else:
-                        out = sub.__torch_dispatch__(func, types, args, kwargs)
+                    out = inner(*args, **kwargs)
             finally:
                 self._depth -= 1
         if func.namespace in _COUNTED and not _is_view(func, args, out):
             if self._depth == 0:
                 self.top[name] += 1
-            if sub is None and inner is None:
+            if inner is None:
                 self.deep[name] += 1
         return out
 

@@ -5,20 +5,15 @@ Run (from the repository root):
     torchrun --standalone --nproc_per_node 2 -m f8train.bench_fsdp --quick --json /tmp/f.json
     torchrun --standalone --nproc_per_node 1 -m f8train.bench_fsdp --device cuda --json out/fsdp.json
 
-Every config trains the same model (seed, per-rank batches, `fully_shard` per block then the
-root, bf16 parameters, fp32 reduction) and differs only in its float8 setup (`CONFIGS`).
-Columns: the slowest rank's median step; all-gather and reduce-scatter MiB per step; `conv
-AG ratio`, the converted weights' all-gather bytes over their bf16 bytes (the other
-parameters' bytes, known from their shapes, subtracted: bf16 reads 1.000); collectives per
-step (`CollectiveCounter`); the scale all-reduces the backend ran before the first forward,
-in the first step and in a steady step (profiler events: these also see DTensor's own); the
-probed step's peak memory; host reads (`.item()`: a sync each on a GPU); the final loss.
-Counts come from one probed step after the timed ones. Each config has its own process
-group, so one that fails is a row with its error and the next one still runs.
+Every config (`CONFIGS`) trains the same model on the same batches (`fully_shard` per block
+then the root, bf16 parameters, fp32 reduction) and differs only in its float8 setup. Counts
+come from one probed step after the timed ones; docs/results.md explains the columns. Each
+config has its own process group: one that fails is a row with its error, the next one runs.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import math
@@ -36,12 +31,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from f8train.bench_common import (
     OpCounter,
     Report,
-    StepProbe,
     bench_parser,
     fmt,
     parse_choices,
     resolve_device,
     short_error,
+    step_probe,
     synchronize,
     torchao_error,
 )
@@ -72,7 +67,7 @@ PRESETS = {  # model and batch per preset
 }
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 FLOAT8_FILTER = float8_filter([])  # the trainer's: block linears with dims divisible by 16
-_INITIAL_STATE: dict = {}
+_INITIAL_MODEL: dict = {}
 
 
 def convert(model, lib: str, recipe: str, module_filter_fn=FLOAT8_FILTER, **changes):
@@ -105,17 +100,10 @@ def build(preset: dict, mesh: DeviceMesh, device, lib=None, recipe="tensorwise",
     bf16), every block and then the root `fully_shard`ed (bf16 parameters, fp32 reduce)."""
     shape = {k: preset[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads")}
     margs = model_args("tiny", **shape, multiple_of=16, max_seq_len=preset["seq"])
-    if margs not in _INITIAL_STATE:  # drawn once per process, on the CPU
-        ref = Transformer(margs)
-        ref.init_weights(0)
-        _INITIAL_STATE[margs] = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
-    with torch.device("meta"):
-        model = Transformer(margs)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for key, value in _INITIAL_STATE[margs].items():
-            module_name, _, attr = key.rpartition(".")
-            getattr(model.get_submodule(module_name), attr).copy_(value)
+    if margs not in _INITIAL_MODEL:  # drawn once per process, on the CPU
+        _INITIAL_MODEL[margs] = Transformer(margs)
+        _INITIAL_MODEL[margs].init_weights(0)
+    model = copy.deepcopy(_INITIAL_MODEL[margs]).to(device)
     after_step = convert(model, lib, recipe, **changes) if lib else None
     plan = all_gather_plan(model, mesh.size())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -159,24 +147,24 @@ def train_step(run: Run, preset: dict, step: int, rank: int, device) -> torch.Te
     return loss.detach()
 
 
-def _counts(counter: CollectiveCounter, probe: StepProbe) -> dict:
+def _counts(counter: CollectiveCounter, probe: dict) -> dict:
     out = {f"{k}_count": counter.count(k) for k in KINDS}
     out |= {f"{k}_bytes": counter.bytes(k) for k in KINDS}
-    out |= {"summary": counter.summary(), "backend_counts": probe.backend_counts}
+    out |= {"summary": counter.summary(), "backend_counts": probe["backend_counts"]}
     # the scale all-reduces as the backend ran them; gloo runs a reduce-scatter as an
     # all-reduce (it has no reduce-scatter events), so those are taken out
-    scale = probe.backend_counts.get("all_reduce", 0)
-    if "reduce_scatter" not in probe.backend_counts:
+    scale = probe["backend_counts"]["all_reduce"]
+    if "reduce_scatter" not in probe["backend_counts"]:
         scale -= out["reduce_scatter_count"]
     return out | {"scale_all_reduces": scale}
 
 
 def measure(run: Run, args, rank: int, device) -> dict:
     """Init pass, first step, warmup, timed steps, one probed step; this rank's figures."""
-    with StepProbe(device) as init_probe, CollectiveCounter() as init:
+    with step_probe(device) as init_probe, CollectiveCounter() as init:
         if run.after_step is not None:  # torchao's precompute before the first forward
             run.after_step(run.model)
-    with StepProbe(device) as first_probe, CollectiveCounter() as first:
+    with step_probe(device) as first_probe, CollectiveCounter() as first:
         losses = [train_step(run, args.preset, 0, rank, device).item()]
     times = []
     for step in range(1, 1 + args.warmup + args.steps):
@@ -188,7 +176,7 @@ def measure(run: Run, args, rank: int, device) -> dict:
         if step > args.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
-    with StepProbe(device) as probe, CollectiveCounter() as steady, OpCounter() as ops:
+    with step_probe(device) as probe, CollectiveCounter() as steady, OpCounter() as ops:
         loss = train_step(run, args.preset, 1 + args.warmup + args.steps, rank, device)
     return {
         "step_ms": times,
@@ -197,7 +185,7 @@ def measure(run: Run, args, rank: int, device) -> dict:
         "first_step": _counts(first, first_probe),
         "per_step": _counts(steady, probe),
         "host_reads_per_step": ops.top["_local_scalar_dense"],
-        "peak_mem_mib": probe.peak_mib,
+        "peak_mem_mib": probe["peak_mib"],
         "losses": [*losses, loss.item()],
     }
 

@@ -5,20 +5,16 @@ Run (from the repository root; no torchrun: the eager part spawns its own 2 CPU 
     python -m f8train.count_kernels --compiled --recipes tensorwise,rowwise
     python -m f8train.count_kernels --eager --json /tmp/counts.json
 
-Two clock-free counts of the work around the GEMMs, the same on any machine. `compiled`:
-the kernels inductor generates for one SwiGLU block (dim 512, hidden 1408, 4x256 bf16
-tokens), forward + backward, `fullgraph=True`, caches off (on the CPU one per loop nest,
-what a GPU launches as one kernel each). `eager`: the non-view aten ops of one steady
-FSDP2 step of `f8train.bench_fsdp`'s CPU model on 2 gloo ranks (28 float8 linears); a
-`contiguous` or `reshape` that copied counts. `top` is what a `TorchDispatchMode` sees;
-`deep` also opens the float8 subclasses (not DTensor: the same in every column) and counts
-the ops they run inside. Columns: bf16, this library per recipe, and torchao's float8 (its
-real GEMM path) with the same recipe names where `torchao.float8` imports.
+Two clock-free counts of the work around the GEMMs, for bf16, this library per recipe and
+torchao's float8 where it imports: inductor's kernels for one SwiGLU block, forward +
+backward, and the non-view aten ops of one steady FSDP2 step on 2 gloo ranks (`top` as a
+dispatch mode sees them, `deep` inside the float8 subclasses too); docs/results.md says more.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import pickle
 import tempfile
@@ -134,32 +130,32 @@ def _label(lib: str, recipe: str) -> str:
     return f"{'fsdp_float8' if lib == 'ours' else 'torchao'} {recipe}{ag}"
 
 
-def compiled_table(cases: list[tuple[str, str]], run=compiled_kernel_count) -> dict:
+def compiled_table(cases: list[tuple[str, str]]) -> dict:
     results = {}
     for lib, recipe in [c for c in cases if "+" not in c[1]]:  # "+ag" rows: eager only
+        label = _label(lib, recipe)
         try:
-            results[_label(lib, recipe)] = run(lib, recipe)
-        except Exception as exc:
-            results[_label(lib, recipe)] = short_error(exc)
-        print(f"compiled {_label(lib, recipe)}: {results[_label(lib, recipe)]}", flush=True)
+            results[label] = compiled_kernel_count(lib, recipe)
+        except Exception as exc:  # reported in the table; the next case still runs
+            results[label] = short_error(exc)
+        print(f"compiled {label}: {results[label]}", flush=True)
     return results
 
 
 def eager_table(cases: list[tuple[str, str]]) -> dict:
     results = {}
     for key, r in eager_counts(cases).items():
-        if "error" in r:
-            results[_label(*key)] = r
-            continue
-        results[_label(*key)] = {
-            "top": sum(r["top"].values()),
-            "deep": sum(r["deep"].values()),
-            "clone": r["top"].get("clone", 0),
-            "by_op_top": r["top"],
-            "by_op_deep": r["deep"],
-            "final_loss": r["losses"][-1],
-            "ranks_agree": r["ranks_agree"],
-        }
+        if "error" not in r:
+            r = {
+                "top": sum(r["top"].values()),
+                "deep": sum(r["deep"].values()),
+                "clone": r["top"].get("clone", 0),
+                "by_op_top": r["top"],
+                "by_op_deep": r["deep"],
+                "final_loss": r["losses"][-1],
+                "ranks_agree": r["ranks_agree"],
+            }
+        results[_label(*key)] = r
     return results
 
 
@@ -187,11 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     compiled = compiled_table(cases) if args.compiled or not args.eager else {}
     eager = eager_table(cases) if args.eager or not args.compiled else {}
     date = datetime.date.today().isoformat()
-    ao = ao_error
-    if ao is None:
-        import torchao
-
-        ao = torchao.__version__
+    ao = ao_error or importlib.metadata.version("torchao")
     print(f"\n{date}, torch {torch.__version__}, CPU; torchao: {ao}\n\n{markdown(compiled, eager)}")
     payload = {"date": date, "torch": torch.__version__, "torchao_error": ao_error}
     payload |= {"compiled": compiled, "eager": eager}

@@ -2,14 +2,11 @@
 
 Run (from the repository root; needs the `plot` extra: pip install -e '.[plot]'):
     python -m f8train.plot_numerics METRICS.jsonl --out numerics.png
-    python -m f8train.plot_numerics METRICS.jsonl --out numerics.png --panels saturation underflow
 
-Input: the JSONL lines of `Float8Telemetry.flush()` (other lines, e.g. the trainer's
-per-step metrics, are skipped). Rows are `layer.operand` in the model's forward order, each
-as input, weight, grad_output, with `@gemm` where an operand was recorded for more than one
-GEMM (`all_casts=True`); several records of one cell (microbatches) show their maximum.
-Panels: saturation and underflow fractions (linear, from 0 to the larger of the data's max
-and 1e-3, so an all-zero panel stays readable) and log10 amax. Grey: not recorded.
+Input: the JSONL lines of `Float8Telemetry.flush()` (other lines are skipped). Rows are
+`layer.operand` in forward order, with `@gemm` where an operand was recorded for several
+GEMMs; several records of one cell show their maximum. Panels: saturation and underflow
+fractions (from 0 to at least 1e-3) and log10 amax; grey: not recorded.
 """
 
 from __future__ import annotations
@@ -83,17 +80,15 @@ def pyplot():
     return plt
 
 
-def render(records: list[dict[str, Any]], out: str | Path, panels=PANELS, title=None) -> Path:
+def render(records: list[dict[str, Any]], out: str | Path) -> Path:
     """Write the heatmap PNG (one panel per statistic, side by side); returns its path."""
     import numpy as np
 
     plt = pyplot()
-    if not records:
-        raise ValueError("no float8 telemetry records to plot")
-    labels, steps, _ = build_grid(records, panels[0])
+    labels, steps, _ = build_grid(records, PANELS[0])
     height = max(3.0, 0.22 * len(labels) + 1.5)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 2, height), squeeze=False)
-    for ax, stat in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS) + 2, height), squeeze=False)
+    for ax, stat in zip(axes[0], PANELS):
         data = np.array(build_grid(records, stat)[2], dtype=float)
         if stat == "amax":
             with np.errstate(divide="ignore"):
@@ -114,21 +109,18 @@ def render(records: list[dict[str, Any]], out: str | Path, panels=PANELS, title=
         ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]])
         ax.tick_params(axis="x", labelrotation=45, labelsize=7)
         ax.set_yticks(range(len(labels)), labels, fontsize=7 if len(labels) < 40 else 5)
-    if title:
-        fig.suptitle(title)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
+    print(f"wrote {out} ({len(labels)} rows x {len(steps)} steps, {len(records)} records)")
     return Path(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("metrics", type=Path, help="JSONL file with Float8Telemetry records")
     p.add_argument("--out", type=Path, default=Path("numerics.png"), help="PNG to write")
-    p.add_argument("--panels", nargs="+", choices=PANELS, default=list(PANELS))
-    p.add_argument("--title", default=None)
     args = p.parse_args(argv)
     records = read_records(args.metrics)
     try:
@@ -137,14 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"no float8 telemetry records in {args.metrics} (expected JSON lines with "
                 f"{', '.join(_TELEMETRY_KEYS)}, as Float8Telemetry.flush() returns)"
             )
-        out = render(records, args.out, panels=tuple(args.panels), title=args.title)
+        render(records, args.out)
     except (ImportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = len(build_grid(records, "saturation")[0])
-    print(
-        f"wrote {out} ({rows} rows x {len(set(r['step'] for r in records))} steps, {len(records)} records)"
-    )
     return 0
 
 
