@@ -251,7 +251,7 @@ def cells(r: dict) -> list[str]:
 COLUMNS = [(h, lambda r, i=i: cells(r)[i]) for i, h in enumerate(HEADERS)]
 
 
-def parse_args(argv: list[str] | None = None):
+def main(argv: list[str] | None = None) -> dict | None:
     p = bench_parser(__doc__, timing=False)
     p.set_defaults(device="cpu")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs")
@@ -259,11 +259,6 @@ def parse_args(argv: list[str] | None = None):
     args.configs = parse_choices(p, args.configs, CONFIGS, "config(s)")
     args.preset = PRESETS["quick" if args.quick else args.device.split(":")[0]]
     args.warmup, args.steps = (1, 2) if args.quick else (2, 5)  # untimed, timed steps
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict | None:
-    args = parse_args(argv)
     device = resolve_device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -15,6 +15,7 @@ is a row with its error. On the CPU float8 is emulated: CPU rows measure overhea
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -41,7 +42,6 @@ from fsdp_float8 import Float8Linear, Float8LinearConfig
 from fsdp_float8.core.numerics import sqnr_db
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
-LLAMA3 = {"8b": (4096, 1024, 14336), "70b": (8192, 1024, 28672)}  # dim, kv dim, ffn hidden
 
 
 class Shape(NamedTuple):
@@ -51,27 +51,22 @@ class Shape(NamedTuple):
     n: int
 
 
-def shapes_for(preset: str, parser) -> list[Shape]:
-    """A preset (quick, cpu, llama, llama_ffn: Llama-3 8B and 70B layers at 16384 tokens)
-    or explicit shapes 'MxKxN,MxKxN'."""
-    if preset == "quick":
-        return [Shape("tiny", 32, 64, 128), Shape("tiny_t", 64, 128, 64)]
-    if preset == "cpu":
-        return [
-            Shape("square_1k", 512, 1024, 1024),
-            Shape("up_1k_4k", 512, 1024, 4096),
-            Shape("down_4k_1k", 512, 4096, 1024),
-            Shape("llama3_8b.attn.wk/wv", 256, 4096, 1024),
-        ]
-    if preset in ("llama", "llama_ffn"):
-        shapes = []
-        for size, (d, kv, h) in LLAMA3.items():
-            layers = [("attn.wq/wo", d, d), ("attn.wk/wv", d, kv), ("ffn.w1/w3", d, h)]
-            for name, k, n in [*layers, ("ffn.w2", h, d)]:
-                if preset == "llama" or name.startswith("ffn"):
-                    shapes.append(Shape(f"llama3_{size}.{name}", 16384, k, n))
-        return shapes
-    return [Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in parse_dims(parser, "--shapes", preset, 3)]
+def _llama3(size: str, d: int, kv: int, h: int) -> list[Shape]:
+    """Llama-3's linear layers (dim, kv dim, ffn hidden) at 16384 tokens."""
+    layers = {"attn.wq/wo": (d, d), "attn.wk/wv": (d, kv), "ffn.w1/w3": (d, h), "ffn.w2": (h, d)}
+    return [Shape(f"llama3_{size}.{name}", 16384, k, n) for name, (k, n) in layers.items()]
+
+
+PRESETS = {
+    "quick": [Shape("tiny", 32, 64, 128), Shape("tiny_t", 64, 128, 64)],
+    "cpu": [
+        Shape("square_1k", 512, 1024, 1024),
+        Shape("up_1k_4k", 512, 1024, 4096),
+        Shape("down_4k_1k", 512, 4096, 1024),
+        Shape("llama3_8b.attn.wk/wv", 256, 4096, 1024),
+    ],
+    "llama": _llama3("8b", 4096, 1024, 14336) + _llama3("70b", 8192, 1024, 28672),
+}
 
 
 def _layer(base: nn.Linear, recipe: str | None, mode: str) -> nn.Module:
@@ -148,9 +143,9 @@ def _columns(peaks, kernels: bool) -> list:
     cols += [column("bf16 ms", "bf16_ms", ".3f"), column("float8 ms", "float8_ms", ".3f")]
     cols += [column("speedup", "speedup"), column("out SQNR dB", "output_sqnr_db", ".1f")]
     for name, peak in (("bf16", "% peak"), ("float8", "% fp8 peak")) if peaks else ():
-        cols.append((f"{name} TFLOP/s ({peak})", _tflops_cell(name)))
+        cols.append((f"{name} TFLOP/s ({peak})", partial(_tflops_cell, name)))
     for name in ("bf16", "float8") if kernels else ():
-        cols.append((f"{name} GEMM / other ms", _split_cell(name)))
+        cols.append((f"{name} GEMM / other ms", partial(_split_cell, name)))
     if kernels:
         cols.append(
             ("float8 kernels", lambda r: fmt((r["float8_split"] or {}).get("kernels"), "d"))
@@ -158,16 +153,13 @@ def _columns(peaks, kernels: bool) -> list:
     return cols + [ERROR]
 
 
-def _tflops_cell(name: str):
-    return lambda r: f"{fmt(r[f'{name}_tflops'], '.0f')} ({fmt(r.get(f'{name}_pct_peak'), '.0f')}%)"
+def _tflops_cell(name: str, r: dict) -> str:
+    return f"{fmt(r[f'{name}_tflops'], '.0f')} ({fmt(r.get(f'{name}_pct_peak'), '.0f')}%)"
 
 
-def _split_cell(name: str):
-    def cell(r: dict) -> str:
-        split = r[f"{name}_split"]
-        return f"{fmt(split['gemm_ms'], '.3f')} / {fmt(split['other_ms'], '.3f')}" if split else "-"
-
-    return cell
+def _split_cell(name: str, r: dict) -> str:
+    split = r[f"{name}_split"]
+    return f"{fmt(split['gemm_ms'], '.3f')} / {fmt(split['other_ms'], '.3f')}" if split else "-"
 
 
 GEMM_KERNEL_WORDS = ("gemm", "nvjet", "xmma", "cutlass", "wgmma")  # cuBLAS(Lt), CUTLASS
@@ -259,7 +251,7 @@ def profile_recipes(shape: Shape, recipes: list[str], device) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = bench_parser(__doc__)
-    p.add_argument("--shapes", default=None, help="quick | cpu | llama | llama_ffn | MxKxN,...")
+    p.add_argument("--shapes", default=None, help="quick | cpu | llama | MxKxN,...")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipe names")
     p.add_argument("--compile", action="store_true", help="also run torch.compile'd layers")
     p.add_argument("--compile-only", action="store_true", help="only torch.compile'd layers")
@@ -271,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device, threads=args.threads)
     cuda = device.type == "cuda"
     preset = args.shapes or ("quick" if args.quick else "llama" if cuda else "cpu")
-    shapes = shapes_for(preset, p)
+    shapes = PRESETS.get(preset) or [
+        Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in parse_dims(p, "--shapes", preset, 3)
+    ]
     args.warmup = args.warmup if args.warmup is not None else 5 if cuda and not args.quick else 1
     args.iters = args.iters if args.iters is not None else 2 if args.quick else 20 if cuda else 5
     peaks = peak_tflops(device)

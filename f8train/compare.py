@@ -32,6 +32,8 @@ CONFIGS: dict[str, list[str]] = {
     "mxfp8": ["--recipe", "mxfp8", "--fp8-all-gather"],
 }
 BASELINE = "bf16"
+HEADERS = ["config", "final train loss (avg 10)", "val loss", "val vs bf16", "tokens/s"]
+HEADERS += ["all-gather / step", "peak memory"]
 # float8-only flags of f8train.train (a --recipe off run refuses them as ignored)
 _FLOAT8_VALUE_FLAGS = ("--scaling", "--static-scales", "--delayed-history", "--float8-skip")
 _FLOAT8_VALUE_FLAGS += ("--numerics-every",)
@@ -42,24 +44,22 @@ RUN_FIGURES = {"tokens_per_s": ",.0f", "mfu": ".3f", "peak_memory_gib": ".2f", "
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
-    parser.add_argument("--out", default="runs/compare")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--rerun", action="store_true", help="train again even if finished")
-    parser.add_argument("--runs", nargs=2, metavar="DIR", help="compare two runs, train nothing")
-    parser.add_argument("--skip", type=int, default=5, help="--runs: steps left out of medians")
-    parser.add_argument("--json", default=None, help="--runs: write the comparison here")
-    args, train_args = parser.parse_known_args(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
+    p.add_argument("--out", default="runs/compare")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rerun", action="store_true", help="train again even if finished")
+    p.add_argument("--runs", nargs=2, metavar="DIR", help="compare two runs, train nothing")
+    p.add_argument("--skip", type=int, default=5, help="--runs: steps left out of medians")
+    p.add_argument("--json", default=None, help="--runs: write the comparison here")
+    args, train_args = p.parse_known_args(argv)
     if args.runs and train_args:
-        parser.error(f"--runs trains nothing, so {train_args} would be ignored: drop them")
+        p.error(f"--runs trains nothing, so {train_args} would be ignored: drop them")
     if not args.runs:  # bench_common imports torch, which --runs does without
         from f8train.bench_common import parse_choices
 
-        args.names = parse_choices(parser, args.configs, CONFIGS, "--configs")
+        args.names = parse_choices(p, args.configs, CONFIGS, "--configs")
     return args, train_args
 
 
@@ -113,25 +113,23 @@ def run_config(name: str, args: argparse.Namespace, train_args: list[str]) -> di
 def markdown_table(results: list[dict]) -> str:
     from f8train.train_log import fmt_bytes
 
-    base = next((r for r in results if r["name"] == BASELINE and "summary" in r), None)
-    base_val = base["summary"]["val_loss"] if base else None
-    rows = [
-        "| config | final train loss (avg 10) | val loss | val vs bf16 | tokens/s | "
-        "all-gather / step | peak memory |\n|---|---|---|---|---|---|---|"
-    ]
+    base = next((r["summary"] for r in results if r["name"] == BASELINE and "summary" in r), {})
+    base_val, rows = base.get("val_loss"), []
     for r in results:
         if "summary" not in r:
-            rows.append(f"| {r['name']} | failed (exit {r['failed']}) | | | | | |")
+            rows.append([r["name"], f"failed (exit {r['failed']})", *[""] * 5])
             continue
         s, val = r["summary"], r["summary"].get("val_loss")
         gap = f"{100 * (val - base_val) / base_val:+.2f}%" if val is not None and base_val else "-"
-        rows.append(
-            f"| {r['name']} | {s['final_loss_avg10']:.4f} | "
-            f"{_fmt(val, '.4f')} | {gap} | {s['tokens_per_s']:,.0f} | "
-            f"{fmt_bytes(s.get('all_gather_bytes_per_step'))} | "
-            f"{fmt_bytes(s.get('peak_memory_bytes'))} |"
-        )
-    return "\n".join(rows) + "\n"
+        loss, tokens = f"{s['final_loss_avg10']:.4f}", f"{s['tokens_per_s']:,.0f}"
+        sizes = [fmt_bytes(s.get(k)) for k in ("all_gather_bytes_per_step", "peak_memory_bytes")]
+        rows.append([r["name"], loss, _fmt(val, ".4f"), gap, tokens, *sizes])
+    return _table(HEADERS, rows)
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    lines = [headers, ["---"] * len(headers), *rows]
+    return "".join(f"| {' | '.join(map(str, line))} |\n" for line in lines)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -164,14 +162,11 @@ def compare_runs(run_dirs: list[str], skip: int, json_path: str | None = None) -
     keys = list(RUN_FIGURES)[:3]
     ratio = {k: second[k] / first[k] if first[k] and second[k] is not None else None for k in keys}
     rows = [
-        "| run | timed steps | tokens/s | MFU | peak GiB | final loss |",
-        "|---|---|---|---|---|---|",
+        [r["run"], r["timed_steps"], *(_fmt(r[k], f) for k, f in RUN_FIGURES.items())]
+        for r in (first, second)
     ]
-    for r in (first, second):
-        cells = [_fmt(r[k], spec) for k, spec in RUN_FIGURES.items()]
-        rows.append(f"| {r['run']} | {r['timed_steps']} | {' | '.join(cells)} |")
-    rows.append(f"| second / first | | {' | '.join(_fmt(v, '.3f') for v in ratio.values())} | |")
-    print("\n".join(rows))
+    rows.append(["second / first", "", *(_fmt(v, ".3f") for v in ratio.values()), ""])
+    print(_table(["run", "timed steps", "tokens/s", "MFU", "peak GiB", "final loss"], rows))
     payload = {"skip": skip, "runs": [first, second], "ratio": ratio}
     if json_path:
         Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")

@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import pickle
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -89,9 +90,11 @@ def _eager_worker(rank: int, world: int, tmp: str, cases: list) -> None:
         except Exception as exc:  # reported in the table; the next case still runs
             results[(lib, recipe)] = {"error": short_error(exc)}
         dist.barrier()
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, results)
     dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
+    if rank == 0:
+        Path(tmp, "results.pkl").write_bytes(pickle.dumps(per_rank))
 
 
 def eager_counts(cases: list[tuple[str, str]], world: int = WORLD) -> dict:
@@ -101,10 +104,7 @@ def eager_counts(cases: list[tuple[str, str]], world: int = WORLD) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:  # a child's error is raised here with its rank
         mp.spawn(_eager_worker, args=(world, tmp, cases), nprocs=world)
-        per_rank = []
-        for r in range(world):
-            with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
-                per_rank.append(pickle.load(f))
+        per_rank = pickle.loads(Path(tmp, "results.pkl").read_bytes())
     for key, result in per_rank[0].items():
         result["ranks_agree"] = all(o[key].get("top") == result.get("top") for o in per_rank)
     return per_rank[0]

@@ -49,8 +49,7 @@ step env 10 bash -c "{ $ENV; } >\"\$1/env.txt\" 2>&1; cat \"\$1/env.txt\"" "$PYT
 step gpu_tests 45 "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
   --junit-xml "$OUT/gpu_tests.xml"
 
-# ~200M parameters (dim 2048, 4 blocks, byte vocabulary), 16384 tokens a step: GEMMs of
-# 16384 x 2048 x 6144, where float8 pays off; metrics.jsonl gets a line every step
+# ~200M parameters, 16384 tokens a step: GEMMs of 16384 x 2048 x 6144, where float8 pays off
 TRAIN=(-m torch.distributed.run --standalone --nproc_per_node 1 -m f8train.train
   --device cuda --preset small --dim 2048 --n-layers 4 --n-heads 16 --n-kv-heads 8
   --multiple-of 1024 --seq-len 2048 --global-batch 8 --steps 30 --log-every 5
