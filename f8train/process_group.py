@@ -14,10 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-# long enough for a checkpoint save or a first compiled step on a slow rank, short enough
-# that a hung job ends well before torch's default 30 minutes (``--pg-timeout-s``)
-DEFAULT_TIMEOUT_S = 300.0
-
 
 def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():

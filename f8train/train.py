@@ -69,6 +69,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
         self.progress_state = ck.ProgressState()
+        self.state = {  # what a checkpoint holds
+            "app": ck.ModelOptimizerState(self.model, self.optimizer),
+            "scheduler": ck.SchedulerState(self.scheduler),
+            "batcher": self.batcher,
+            "rng": ck.RNGState(),
+            "progress": self.progress_state,
+        }
         if config is not None and not args.precompute and args.scaling == "dynamic":
             float8_step(self.model).disable()  # measure the per-weight fallback
         self.tokens_per_step = args.global_batch * args.seq_len
@@ -78,21 +85,12 @@ class Trainer:
         self.say = self.progress.message
         self.telemetry = None
 
-    def state(self) -> dict:
-        return {
-            "app": ck.ModelOptimizerState(self.model, self.optimizer),
-            "scheduler": ck.SchedulerState(self.scheduler),
-            "batcher": self.batcher,
-            "rng": ck.RNGState(),
-            "progress": self.progress_state,
-        }
-
     def resume(self) -> int:
         """Load the checkpoint to resume from, if any; returns the step it was saved at."""
         point = self.resume_point
         if point is None:
             return 0
-        self.ckpt.load(point.path, self.state())
+        self.ckpt.load(point.path, self.state)
         if self.config is not None:  # as at the save: the step metrics match a run that
             sync_float8(self.model)  # did not stop (no first check)
         step = self.progress_state.step
@@ -194,7 +192,7 @@ class Trainer:
         start = time.perf_counter()
         if self.config is not None:  # the refresh is lazy: save reduced delayed amaxes
             sync_float8(self.model)
-        path = self.ckpt.save(step, self.state(), self.settings)
+        path = self.ckpt.save(step, self.state, self.settings)
         self.say(f"step {step}: saved checkpoint {path} ({time.perf_counter() - start:.1f} s)")
 
     def run(self) -> int:

@@ -19,7 +19,6 @@ import torch
 from f8train.data import default_cache_dir
 from f8train.float8_flags import RECIPES, SCALINGS, flag_problems
 from f8train.model import PRESETS
-from f8train.process_group import DEFAULT_TIMEOUT_S
 
 
 def number(kind: type, low: float, high: float = math.inf, *, strict: bool = False) -> Callable:
@@ -103,7 +102,9 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--keep-ckpts", POS_INT, 2, "newest checkpoints kept"),
         ("--resume", "?", None, "CKPT, or the latest checkpoint in --out", "CKPT"),
         ("--allow-recipe-change", FLAG, False, "resume with another --recipe (not delayed)"),
-        ("--pg-timeout-s", POS_FLOAT, DEFAULT_TIMEOUT_S, "end a collective waiting this long"),
+        # long enough for a checkpoint save or a first compiled step on a slow rank, short
+        # enough that a hung job ends well before torch's default 30 minutes
+        ("--pg-timeout-s", POS_FLOAT, 300.0, "end a collective waiting this long"),
         ("--auto-resume", BOOL, True, "continue from the latest checkpoint in --out"),
         ("--stop-at-step", POS_INT, None, "save and exit after step K"),
         ("--crash-at-step", POS_INT, None, HIDDEN),  # test hooks
@@ -212,9 +213,7 @@ def out_problem(out: str) -> str | None:
     path = Path(out)
     if path.exists() and not path.is_dir():
         return f"{out} is a file, not a folder"
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         return f"{existing} is a file, so {out} cannot be created under it"
     for folder in (existing, path / "checkpoints"):
