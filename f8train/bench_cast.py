@@ -146,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = SIZES["quick" if args.quick else device.type]
     if args.sizes:
         sizes = parse_dims(p, "--sizes", args.sizes, 2)
-    settings = {k: getattr(args, k) for k in ("modes", "cases", "warmup", "iters")}
-    settings |= {"float8_dtype": str(E4M3), "ratio": "copy_ms / cast_ms, same bf16 source"}
-    report = Report("cast", device, args.json, _columns(not cuda), settings=settings)
+    report = Report("cast", device, args, _columns(not cuda), float8_dtype=str(E4M3))
     for rows, cols in sizes:
         bench_size(rows, cols, args, device, report)
     return report.done()

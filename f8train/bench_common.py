@@ -90,7 +90,7 @@ def time_ms(fn: Callable[[], object], device, *, warmup=3, iters=10) -> dict[str
     for _ in range(warmup):
         fn()
     synchronize(device)
-    out = {}
+    cpu = None
     if device.type == "cuda":
         pairs = [[torch.cuda.Event(enable_timing=True) for _ in "se"] for _ in range(iters)]
         for start, end in pairs:
@@ -100,19 +100,14 @@ def time_ms(fn: Callable[[], object], device, *, warmup=3, iters=10) -> dict[str
         torch.cuda.synchronize(device)
         times = [start.elapsed_time(end) for start, end in pairs]
     else:
-        times, cpu = [], []
+        clocks = []
         for _ in range(iters):
-            c0, t0 = time.process_time(), time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            cpu.append((time.process_time() - c0) * 1e3)
-        out["cpu_median_ms"] = statistics.median(cpu)
-    return {
-        "median_ms": statistics.median(times),
-        "min_ms": min(times),
-        "max_ms": max(times),
-        **out,
-    }
+            clocks.append(((time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3))
+        times, cpu = zip(*clocks)
+    out = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times)}
+    return out if cpu is None else out | {"cpu_median_ms": statistics.median(cpu)}
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -196,13 +191,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 class Report:
-    """The JSON payload of a run: `add(row)` stores a result row, prints it as a table line
-    and rewrites the file; `done()` prints the whole table and returns the payload."""
+    """The JSON payload of a run (`args` as its settings, `args.json` its file): `add(row)`
+    stores a result row, prints it as a table line and rewrites the file; `done()` prints
+    the whole table and returns the payload."""
 
-    def __init__(self, benchmark, device, path, columns: list[Column], **fields) -> None:
-        self.path, self.columns = path, columns
-        self.payload = {"benchmark": benchmark, "environment": environment(device), **fields}
-        self.payload["results"] = []
+    def __init__(self, benchmark, device, args, columns: list[Column], **fields) -> None:
+        self.path, self.columns = args.json, columns
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        self.payload = {"benchmark": benchmark, "environment": environment(device)}
+        self.payload |= {"settings": settings, **fields, "results": []}
 
     def cells(self, row: dict) -> list[str]:
         return [cell(row) for _, cell in self.columns]
@@ -250,9 +247,8 @@ def step_probe(device: torch.device) -> Iterator[dict]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=not cuda) as prof:
         yield figures
         synchronize(device)
-    figures["backend_counts"] = Counter(
-        filter(None, (_backend_kind(e.name) for e in prof.events()))
-    )
+    kinds = (_backend_kind(e.name) for e in prof.events())
+    figures["backend_counts"] = Counter(kind for kind in kinds if kind)
     if cuda:
         figures["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     else:
@@ -278,24 +274,19 @@ def _cpu_peak_mib(prof) -> float | None:
     return max(itertools.accumulate(n for _, n in deltas), default=0) / 2**20
 
 
-# ops counted: aten's, and this library's CPU GEMM (a custom op), which OpCounter opens
-# like a subclass: its body runs under the counter
 _COUNTED = ("aten", "fsdp_float8")
 _OPENED_OPS = {torch.ops.fsdp_float8.cpu_scaled_mm.default: _cpu_scaled_mm}
 
 
 class OpCounter(TorchDispatchMode):
-    """Non-view ops by name: `top` as a dispatch mode sees them; `deep` also opens the float8
-    subclasses (fsdp_float8's, torchao's; not DTensor) and the CPU GEMM op and counts what
-    they run inside instead of them. `kinds`: every top op, views too, by `kind(name, args,
-    kwargs)` when given. Host reads (`.item()`, a sync each on a GPU) are
-    `top["_local_scalar_dense"]`."""
+    """Non-view ops (aten's, fsdp_float8's) by name: `top` as a dispatch mode sees them;
+    `deep` opens the float8 subclasses (fsdp_float8's, torchao's; not DTensor) and the CPU
+    GEMM op and counts what they run inside instead. `kinds`: every top op, views too, by
+    `kind(name, args, kwargs)` when given. Host reads are `top["_local_scalar_dense"]`."""
 
     def __init__(self, kind: Callable[[str, tuple, dict], str] | None = None) -> None:
         super().__init__()
-        self.top: Counter[str] = Counter()
-        self.deep: Counter[str] = Counter()
-        self.kinds: Counter[str] = Counter()
+        self.top, self.deep, self.kinds = Counter(), Counter(), Counter()
         self._kind, self._depth = kind, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

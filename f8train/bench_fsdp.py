@@ -266,11 +266,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ao_error = torchao_error() if "torchao_float8_ag_precompute" in args.configs else None
-    settings = {k: v for k, v in vars(args).items() if k != "json"}
-    report = Report(
-        "fsdp", device, args.json if rank == 0 else None, COLUMNS, settings=settings,
-        torchao_error=ao_error, torchao_emulate=device.type == "cpu",
-    )  # fmt: skip
+    emulate = device.type == "cpu"
+    report = Report("fsdp", device, args, COLUMNS, torchao_error=ao_error, torchao_emulate=emulate)
     report.payload["environment"]["world_size"] = world
     for name in args.configs:
         if name.startswith("torchao") and ao_error:

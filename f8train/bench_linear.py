@@ -167,10 +167,9 @@ GEMM_OPS = ("aten::mm", "aten::_scaled_mm", "aten::addmm", "aten::bmm", "aten::m
 
 
 def kernel_breakdown(step, device: torch.device) -> dict:
-    """Profile one `step()`: {gemm_ms, other_ms, gemm_share, kernels}. CUDA: each kernel's
-    GPU time, a GEMM when its name says so; `kernels` counts launches. CPU: the outermost
-    GEMM ops' CPU time (children included: `_scaled_mm` dequantizes inside) against the
-    step's wall time; compiled CPU kernels land in `other_ms`."""
+    """One `step()`'s GEMM time and the rest. CUDA: kernel times, a GEMM by its name, and the
+    launch count. CPU: the outermost GEMM ops' CPU time (children included: `_scaled_mm`
+    dequantizes inside) against the step's wall time (compiled kernels are "other")."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -262,18 +261,14 @@ def main(argv: list[str] | None = None) -> dict:
     args.modes = ["compile"] if args.compile_only else ["eager", "compile"][: 1 + args.compile]
     device = resolve_device(args.device, threads=args.threads)
     cuda = device.type == "cuda"
-    preset = args.shapes or ("quick" if args.quick else "llama" if cuda else "cpu")
-    shapes = PRESETS.get(preset) or [
-        Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in parse_dims(p, "--shapes", preset, 3)
+    args.shapes = args.shapes or ("quick" if args.quick else "llama" if cuda else "cpu")
+    shapes = PRESETS.get(args.shapes) or [
+        Shape(f"{m}x{k}x{n}", m, k, n) for m, k, n in parse_dims(p, "--shapes", args.shapes, 3)
     ]
     args.warmup = args.warmup if args.warmup is not None else 5 if cuda and not args.quick else 1
     args.iters = args.iters if args.iters is not None else 2 if args.quick else 20 if cuda else 5
     peaks = peak_tflops(device)
-    settings = {"shapes": preset, "modes": args.modes, "recipes": args.recipes}
-    settings |= {"warmup": args.warmup, "iters": args.iters, "dtype": "bfloat16"}
-    settings["step"] = "layer(x).backward(grad_output), 6*M*K*N FLOPs"
-    columns = _columns(peaks, args.kernels)
-    report = Report("linear", device, args.json, columns, settings=settings, peak_tflops=peaks)
+    report = Report("linear", device, args, _columns(peaks, args.kernels), peak_tflops=peaks)
     for shape in shapes:
         bench_shape(shape, args, device, peaks, report)
     payload = report.done()

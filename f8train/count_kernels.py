@@ -30,7 +30,7 @@ from f8train.bench_common import (
     torchao_error,
     write_json,
 )
-from f8train.bench_fsdp import PRESETS, build, convert, train_step
+from f8train.bench_fsdp import AG, PRESETS, build, convert, train_step
 from f8train.model import FeedForward
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
@@ -67,7 +67,7 @@ def eager_step_ops(rank: int, world: int, lib: str, recipe: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     # tensorwise gathers in float8 (both libraries); others with "+ag" (this library only)
     recipe, _, flag = recipe.partition("+")
-    changes = {"enable_fsdp_float8_all_gather": True} if flag or recipe == "tensorwise" else {}
+    changes = AG if flag or recipe == "tensorwise" else {}
     run = build(preset, mesh, cpu, None if recipe == "bf16" else lib, recipe, **changes)
     if run.after_step is not None:
         run.after_step(run.model)
