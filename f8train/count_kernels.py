@@ -32,6 +32,7 @@ from f8train.bench_common import (
 )
 from f8train.bench_fsdp import AG, PRESETS, build, convert, train_step
 from f8train.model import FeedForward
+from f8train.rank_exit import exit_rank
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -95,6 +96,7 @@ def _eager_worker(rank: int, world: int, tmp: str, cases: list) -> None:
     dist.destroy_process_group()
     if rank == 0:
         Path(tmp, "results.pkl").write_bytes(pickle.dumps(per_rank))
+    exit_rank(0)  # no finalization, where a c10d thread can abort a finished rank
 
 
 def eager_counts(cases: list[tuple[str, str]], world: int = WORLD) -> dict:
