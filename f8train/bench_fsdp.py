@@ -118,11 +118,8 @@ def all_gather_plan(model: nn.Module, world: int) -> dict:
     """All-gather elements of the converted weights per step and bytes of the rest, from the
     shapes: FSDP2 shards dim 0 padded to ceil(rows / world); a block is gathered twice a
     step (forward, and backward after resharding), the root once."""
-    converted = {
-        f"{fqn}.weight"
-        for fqn, m in model.named_modules()
-        if isinstance(m, nn.Linear) and FLOAT8_FILTER(m, fqn)
-    }
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    converted = {f"{fqn}.weight" for fqn, m in linears if FLOAT8_FILTER(m, fqn)}
     conv_elems = rest_bytes = 0
     for name, p in model.named_parameters():
         elems = (2 if name.startswith("blocks.") else 1) * math.ceil(p.shape[0] / world)
