@@ -19,6 +19,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,8 @@ def step_of(path: Path) -> int:
 
 def aside_name(path: Path, suffix: str) -> Path:
     """``step_N.suffix``, or ``step_N.suffix2``, ... : a name nothing uses yet."""
-    new, n = path.with_name(f"{path.name}.{suffix}"), 1
-    while new.exists():
-        n += 1
-        new = path.with_name(f"{path.name}.{suffix}{n}")
-    return new
+    names = (path.with_name(f"{path.name}.{suffix}{n if n > 1 else ''}") for n in count(1))
+    return next(new for new in names if not new.exists())
 
 
 def dcp_problem(path: Path) -> str | None:
@@ -86,10 +84,8 @@ def dcp_problem(path: Path) -> str | None:
 
 def free_bytes(path: Path) -> int:
     """Free bytes on the file system of ``path`` (its nearest existing parent)."""
-    path = Path(path)
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return shutil.disk_usage(existing).free
 
 
 def _sha256(path: Path) -> str:

@@ -54,21 +54,15 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 
 
 def _sorted_files(root: Path, pattern: str) -> list[Path]:
-    files = [
-        path
-        for path in root.rglob(pattern)
-        if path.is_file() and not _EXCLUDED_DIRS.intersection(path.relative_to(root).parts)
-    ]
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+    found = {p.relative_to(root).as_posix(): p for p in root.rglob(pattern) if p.is_file()}
+    return [found[k] for k in sorted(found) if not _EXCLUDED_DIRS.intersection(k.split("/"))]
 
 
 def _byte_cache(root: Path, files: list[Path], cache_dir: Path, prefix: str) -> np.ndarray:
     """``files`` concatenated as bytes into a uint16 token file named by a fingerprint of
     their names and sizes (built once; atomic rename), memory-mapped."""
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{path.relative_to(root).as_posix()}\t{path.stat().st_size}\n".encode())
-    cache_path = cache_dir / f"{prefix}-{digest.hexdigest()[:16]}.u16.bin"
+    listing = "".join(f"{p.relative_to(root).as_posix()}\t{p.stat().st_size}\n" for p in files)
+    cache_path = cache_dir / f"{prefix}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.u16.bin"
     if not cache_path.exists():
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_path.with_name(f"{cache_path.name}.tmp{os.getpid()}")

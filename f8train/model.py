@@ -111,12 +111,10 @@ def model_args(preset: str, **overrides: object) -> ModelArgs:
     """The named preset with fields replaced, e.g. ``model_args("tiny", n_layers=2)``."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; expected one of {sorted(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
+    fields = sorted(f.name for f in dataclasses.fields(ModelArgs))
+    if unknown := sorted(set(overrides) - set(fields)):
         raise TypeError(
-            f"model_args got unknown override(s) {unknown}; expected fields of ModelArgs: "
-            f"{sorted(fields)}"
+            f"model_args got unknown override(s) {unknown}; expected fields of ModelArgs: {fields}"
         )
     return dataclasses.replace(PRESETS[preset], **overrides)
 
