@@ -43,19 +43,34 @@ _FLOAT8_FLAGS += ("--no-precompute",)
 RUN_FIGURES = {"tokens_per_s": ",.0f", "mfu": ".3f", "peak_memory_gib": ".2f", "final_loss": ".4f"}
 
 
+# flags of one mode (None: not given) and their defaults; the other mode refuses them
+_TRAIN_DEFAULTS = {"nproc": 2, "configs": ",".join(CONFIGS), "out": "runs/compare"}
+_TRAIN_DEFAULTS |= {"steps": 100, "rerun": False}
+_RUNS_DEFAULTS = {"skip": 5, "json": None}
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
-    p.add_argument("--out", default="runs/compare")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--rerun", action="store_true", help="train again even if finished")
+    p.add_argument("--nproc", type=int, help="ranks per run (torchrun; default 2)")
+    p.add_argument("--configs", help=f"from {list(CONFIGS)} (default: all)")
+    p.add_argument("--out", help="default runs/compare")
+    p.add_argument("--steps", type=int, help="default 100")
+    p.add_argument("--rerun", action="store_true", default=None, help="train again if finished")
     p.add_argument("--runs", nargs=2, metavar="DIR", help="compare two runs, train nothing")
-    p.add_argument("--skip", type=int, default=5, help="--runs: steps left out of medians")
-    p.add_argument("--json", default=None, help="--runs: write the comparison here")
+    p.add_argument("--skip", type=int, help="--runs: steps left out of medians (default 5)")
+    p.add_argument("--json", help="--runs: write the comparison here")
     args, train_args = p.parse_known_args(argv)
-    if args.runs and train_args:
-        p.error(f"--runs trains nothing, so {train_args} would be ignored: drop them")
+    mine, other = (
+        (_RUNS_DEFAULTS, _TRAIN_DEFAULTS) if args.runs else (_TRAIN_DEFAULTS, _RUNS_DEFAULTS)
+    )
+    idle = [f"--{k}" for k in other if getattr(args, k) is not None]
+    idle += train_args if args.runs else []  # without --runs they go to every training run
+    if idle:
+        mode = "--runs trains nothing" if args.runs else "without --runs, runs are trained"
+        p.error(f"{', '.join(idle)} would be ignored ({mode}): drop them")
+    for key, default in mine.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     if not args.runs:  # bench_common imports torch, which --runs does without
         from f8train.bench_common import parse_choices
 

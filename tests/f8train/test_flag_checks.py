@@ -84,6 +84,25 @@ def test_compare_passes_float8_flags_to_float8_runs_only() -> None:
     assert compare.train_command("tensorwise", args, extra)[-2:] == ["--float8-skip", "*.w2"]
 
 
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--json", "cmp.json"], "--json"),  # a --runs flag on a training comparison
+        (["--skip", "3"], "--skip"),
+        (["--runs", "a", "b", "--steps", "10"], "--steps"),  # a training flag with --runs
+        (["--runs", "a", "b", "--configs", "bf16", "--rerun"], "--configs, --rerun"),
+    ],
+)
+def test_compare_refuses_its_flags_that_the_mode_ignores(argv, named, capsys) -> None:
+    """compare's --skip/--json act only with --runs, and --nproc/--configs/--out/--steps/
+    --rerun only without it; given in the other mode they used to be ignored silently."""
+    from f8train import compare
+
+    with pytest.raises(SystemExit):
+        compare.parse_args(argv)
+    assert f"{named} " in capsys.readouterr().err
+
+
 def test_block_all_gather_misfits_are_named_before_training(tmp_path: Path, monkeypatch) -> None:
     """--recipe mxfp8 (float8 all-gather by default) on 2 ranks with 32-row wk/wv used to
     fail at step 1 on every rank with a ValueError naming no layer and API remedies (also
