@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_float8.core.numerics import SQNR_DB
 
@@ -147,3 +148,15 @@ def test_bench_fsdp_quick_torchrun(tmp_path):
     # without precompute each weight all-reduces its scale at every all-gather
     assert scale_ars("float8_ag", "per_step") > 1
     assert res["float8_ag_precompute"]["per_step"]["all_reduce_count"] == 1
+
+
+def test_profile_census_counts_the_three_gemms_of_a_linear() -> None:
+    """bench_linear --profile sorts one forward + backward's ops by kind: a linear layer runs
+    three GEMMs (output, grad_input, grad_weight) in every recipe. It used to count 0 on the
+    CPU, where the float8 GEMM is this library's own op (`fsdp_float8::cpu_scaled_mm`)."""
+    from f8train import bench_linear
+
+    shape = bench_linear.PRESETS["quick"][0]
+    report = bench_linear.profile_recipes(shape, ["tensorwise", "rowwise"], torch.device("cpu"))
+    gemms = {recipe: r["kinds"].get("GEMMs", 0) for recipe, r in report.items()}
+    assert gemms == {"tensorwise": 3, "rowwise": 3}
