@@ -47,15 +47,19 @@ test-torch: $(TVENV)/.installed
 
 # The fake-CUDA lane (tests/fakecuda, docs/gpu.md): every CUDA path of the library on fake
 # cuda tensors, under the CUDA build of torch 2.11 (the GPU machines' torch; it runs on a
-# CPU without a driver). Its own venv, .venv-fakecuda: the wheel is a few GB from the
-# registry; the project goes in under a constraint that pins that torch.
+# CPU without a driver). Its own venv, .venv-fakecuda (4.8 GB): torch and its CUDA
+# libraries come from the registry one wheel at a time, at the pins of
+# .ci/fakecuda-torch.txt, so the disk never holds the whole set of downloads beside the
+# venv; the project goes in under a constraint that pins that torch.
 FVENV := .venv-fakecuda
 FBIN := $(FVENV)/bin
 FAKECUDA_TORCH := 2.11.0
 
-$(FVENV)/.installed: pyproject.toml
+$(FVENV)/.installed: pyproject.toml .ci/fakecuda-torch.txt
+	grep -qx 'torch==$(FAKECUDA_TORCH)' .ci/fakecuda-torch.txt
 	test -x $(FBIN)/python || $(PYTHON) -m venv $(FVENV)
-	$(FBIN)/pip install torch==$(FAKECUDA_TORCH)
+	for req in $$(grep -v '^#' .ci/fakecuda-torch.txt); do \
+	  $(FBIN)/pip install --no-cache-dir --no-deps "$$req" || exit 1; done
 	echo torch==$(FAKECUDA_TORCH) > $(FVENV)/constraints.txt
 	PIP_CONSTRAINT=$(FVENV)/constraints.txt $(FBIN)/pip install -e '.[dev]'
 	touch $@
