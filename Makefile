@@ -50,18 +50,16 @@ test-torch: $(TVENV)/.installed
 # CPU without a driver). Its own venv, .venv-fakecuda (4.8 GB): torch and its CUDA
 # libraries come from the registry one wheel at a time, at the pins of
 # .ci/fakecuda-torch.txt, so the disk never holds the whole set of downloads beside the
-# venv; the project goes in under a constraint that pins that torch.
+# venv; the project goes in with that list as its constraint file, so pip cannot swap them.
 FVENV := .venv-fakecuda
 FBIN := $(FVENV)/bin
-FAKECUDA_TORCH := 2.11.0
+FPINS := .ci/fakecuda-torch.txt
 
-$(FVENV)/.installed: pyproject.toml .ci/fakecuda-torch.txt
-	grep -qx 'torch==$(FAKECUDA_TORCH)' .ci/fakecuda-torch.txt
+$(FVENV)/.installed: pyproject.toml $(FPINS)
 	test -x $(FBIN)/python || $(PYTHON) -m venv $(FVENV)
-	for req in $$(grep -v '^#' .ci/fakecuda-torch.txt); do \
+	for req in $$(grep -v '^#' $(FPINS)); do \
 	  $(FBIN)/pip install --no-cache-dir --no-deps "$$req" || exit 1; done
-	echo torch==$(FAKECUDA_TORCH) > $(FVENV)/constraints.txt
-	PIP_CONSTRAINT=$(FVENV)/constraints.txt $(FBIN)/pip install -e '.[dev]'
+	PIP_CONSTRAINT=$(FPINS) $(FBIN)/pip install -e '.[dev]'
 	touch $@
 
 test-fakecuda: $(FVENV)/.installed
