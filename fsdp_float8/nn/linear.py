@@ -232,8 +232,11 @@ class Float8Linear(nn.Linear):
         if self.config.enable_fsdp_float8_all_gather:
             _require_float8_weight(weight)
         _check_input_dtype(x)
-        if torch.is_autocast_enabled(x.device.type) and not isinstance(x, Float8Tensor):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        if torch.is_autocast_enabled(x.device.type):
+            if not isinstance(x, Float8Tensor):
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+        elif x.dtype != weight.dtype:
+            _refuse_dtype_mismatch(x.dtype, weight.dtype)
         with torch.autocast(x.device.type, enabled=False):
             delayed = self.delayed_scaling
             training = self.training and torch.is_grad_enabled()
@@ -288,6 +291,16 @@ def _check_input_dtype(x: torch.Tensor) -> None:
             "(float32, bfloat16, float16 or float64), as nn.Linear needs. Cast it with "
             "x.float() (token ids go through an nn.Embedding first)"
         )
+
+
+def _refuse_dtype_mismatch(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    # nn.Linear refuses it too; the float8 GEMMs would silently return the input's dtype
+    raise TypeError(
+        f"Float8Linear input has dtype {x_dtype} but its weight is {weight_dtype}; outside "
+        f"autocast both must match, as nn.Linear needs. Cast the input (x.to({weight_dtype})), "
+        "run the forward under torch.autocast, or give FSDP2 a MixedPrecisionPolicy("
+        "param_dtype=...) that casts the inputs of its modules"
+    )
 
 
 def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:

@@ -246,7 +246,10 @@ def train_reference(
             with torch.no_grad():
                 for w, m in zip(work.parameters(), master.parameters(), strict=True):
                     w.copy_(m)
-        loss = loss_of(work, case, batch(case, step, rank, world_size))
+        x = batch(case, step, rank, world_size)
+        if case.mp_bf16 and x.is_floating_point():  # as FSDP2's cast_forward_inputs does
+            x = x.to(torch.bfloat16)
+        loss = loss_of(work, case, x)
         loss.backward()
         for w, m in zip(work.parameters(), master.parameters(), strict=True):
             m.grad = _sum_over_ranks(w.grad.float(), order, world_size) / world_size

@@ -67,6 +67,7 @@ def test_non_float_input_raises_like_nn_linear(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_other_float_inputs_still_run(dtype: torch.dtype) -> None:
-    mod = Float8Linear.from_float(nn.Linear(IN_FEATURES, 48), Float8LinearConfig(emulate=True))
+    hp = nn.Linear(IN_FEATURES, 48, dtype=dtype)  # the input's dtype, as nn.Linear needs
+    mod = Float8Linear.from_float(hp, Float8LinearConfig(emulate=True))
     out = mod(torch.randn(4, IN_FEATURES).to(dtype))
     assert out.dtype == dtype and torch.isfinite(out).all()

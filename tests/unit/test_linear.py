@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_float8 import Float8Linear, Float8LinearConfig, Float8Tensor, Operand, sqnr_db
+from fsdp_float8 import (
+    Float8Linear,
+    Float8LinearConfig,
+    Float8LinearRecipeName,
+    Float8Tensor,
+    Operand,
+    sqnr_db,
+)
 from fsdp_float8.core.numerics import SQNR_DB
 from tests.unit.float8_helpers import (
     RECIPES,
@@ -172,3 +179,22 @@ def test_save_input_in_float8_same_grads_and_saves_float8() -> None:
 def test_extra_repr_names_the_casts() -> None:
     text = repr(make_linear(Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")))
     assert "input=dyn_aw:e4m3fn/hp" in text and "weight=dyn_aw:e4m3fn/dyn_tw" in text
+
+
+@pytest.mark.parametrize("recipe", [r.value for r in Float8LinearRecipeName])
+def test_input_dtype_must_match_the_weight_as_in_nn_linear(recipe: str) -> None:
+    """nn.Linear refuses an input whose dtype is not the weight's; so does Float8Linear
+    (outside autocast), instead of silently returning the input's dtype."""
+    config = Float8LinearConfig.from_recipe_name(recipe, emulate=True)
+    for weight_dtype, x_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        mod = make_linear(config, weight_dtype, in_features=64, out_features=64)
+        x = torch.randn(4, 64, dtype=x_dtype)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            nn.functional.linear(x, mod.weight.detach())  # what nn.Linear does
+        with pytest.raises(TypeError) as info:
+            mod(x)
+        text = str(info.value)
+        assert str(x_dtype) in text and str(weight_dtype) in text
+        assert "torch.autocast" in text and f"x.to({weight_dtype})" in text
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast picks the dtype
+            assert mod(x).dtype == torch.bfloat16
