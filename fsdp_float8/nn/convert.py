@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.experts import modules as expert_modules
 from fsdp_float8.fsdp.step import float8_step
 from fsdp_float8.fsdp.weight_wrappers import note_replaced
@@ -62,9 +63,9 @@ class _Swap:
 def convert_to_float8_training(
     model: nn.Module,
     *,
-    config: Float8LinearConfig | None = None,
+    config: Float8LinearConfig | object | None = None,
     module_filter_fn: ModuleFilter | None = None,
-    expert_config: Float8LinearConfig | None = None,
+    expert_config: Float8LinearConfig | object | None = None,
     expert_filter_fn: ModuleFilter | None = None,
 ) -> nn.Module:
     """Swap every nn.Linear that the filter accepts for a Float8Linear, in place, and
@@ -73,14 +74,17 @@ def convert_to_float8_training(
     The filter gets `(module, fully_qualified_name)` (the root's name is ""). Without one,
     linears whose dims are not multiples of 16 are skipped (unless `config.pad_inner_dim`).
     With `config.enable_fsdp_float8_all_gather`, each converted weight is wrapped so that
-    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). Experts modules
+    FSDP2 all-gathers it in float8 (apply `fully_shard` after this call). A torchao.float8
+    `Float8LinearConfig` is converted field by field (`core/config_foreign.py`). Experts modules
     (torchtitan-style w1/w2/w3 or transformers gate_up_proj/down_proj) are swapped for float8
     experts with `expert_config` (default: `config`) where `expert_filter_fn` accepts them
     (default: all), and reported (`report.experts_converted` / `experts_skipped`). The
     returned model gets its float8 step (`fsdp_float8.float8_step`): precomputed weight
     scales and delayed-scaling state are refreshed after each optimizer step.
     """
-    config = config or Float8LinearConfig()
+    config = as_float8_linear_config(config)
+    if expert_config is not None:
+        expert_config = as_float8_linear_config(expert_config, "expert_config")
     _refuse_high_precision_config(config)
     report = ConversionReport()
     plan: list[_Swap] = []

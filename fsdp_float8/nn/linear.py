@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.cast_plan import CastPlan, Pair, weight_for
 from fsdp_float8.core.config import Float8LinearConfig, ScalingType
+from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.core.gemms import (
@@ -173,7 +174,7 @@ class Float8Linear(nn.Linear):
 
     def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.config = config or Float8LinearConfig()
+        self.config = as_float8_linear_config(config)
         _check_dims(self.in_features, self.out_features, self.config)
         if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
             check_float8_gemm_device(self.weight.device, emulate=self.config.emulate)
@@ -188,7 +189,8 @@ class Float8Linear(nn.Linear):
     def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
-        emulate = (config or Float8LinearConfig()).emulate
+        config = as_float8_linear_config(config)
+        emulate = config.emulate
         check_float8_gemm_device(mod.weight.device, emulate=emulate)
         with torch.device("meta"):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)

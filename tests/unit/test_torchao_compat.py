@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import warnings
 
 import pytest
@@ -278,3 +279,94 @@ def test_same_numerics_as_torchao_emulated(recipe: str) -> None:
         results[name] = (out, xx.grad, model[0].weight.grad)
     for what, theirs, ours in zip(("output", "grad_input", "grad_weight"), *results.values()):
         assert sqnr_db(theirs, ours) >= 100, what
+
+
+class _Kind(enum.Enum):  # another library's enums: the same values, not the same classes
+    DYNAMIC = "dynamic"
+    DISABLED = "disabled"
+
+
+class _Grain(enum.Enum):
+    TENSORWISE = "tensorwise"
+    AXISWISE = "axiswise"
+
+
+@dataclasses.dataclass(frozen=True)
+class _OtherCast:
+    scaling_type: _Kind = _Kind.DYNAMIC
+    scaling_granularity: _Grain = _Grain.TENSORWISE
+    target_dtype: torch.dtype | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _OtherGemm:
+    use_fast_accum: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _OtherConfig:
+    """A config shaped like torchao.float8's Float8LinearConfig (its field names)."""
+
+    cast_config_input: _OtherCast = _OtherCast()
+    cast_config_weight: _OtherCast = _OtherCast()
+    cast_config_grad_output: _OtherCast = _OtherCast()
+    cast_config_weight_for_grad_input: _OtherCast | None = None
+    gemm_config_output: _OtherGemm = _OtherGemm(True)
+    enable_fsdp_float8_all_gather: bool = False
+    round_scales_to_power_of_2: bool = False
+
+
+def test_a_foreign_config_is_converted_field_by_field() -> None:
+    axis = _OtherCast(_Kind.DYNAMIC, _Grain.AXISWISE, E4M3)
+    rowwise = _OtherConfig(axis, axis, axis, round_scales_to_power_of_2=True)
+    model = nn.Sequential(nn.Linear(64, 32))
+    convert_to_float8_training(model, config=rowwise)
+    assert type(model[0]) is Float8Linear
+    assert model[0].config == Float8LinearConfig.from_recipe_name("rowwise")
+    # a second use given equal to the first is the operand's own (filled as torchao fills it)
+    tensorwise = _OtherConfig(cast_config_weight_for_grad_input=_OtherCast())
+    assert Float8Linear.from_float(nn.Linear(64, 32), tensorwise).config == Float8LinearConfig()
+    ours = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    assert (
+        Float8Linear(64, 32, config=_OtherConfig(enable_fsdp_float8_all_gather=True)).config == ours
+    )
+
+
+def test_a_foreign_config_we_cannot_honour_is_refused_by_name() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class WithMore(_OtherConfig):
+        use_new_kernel: bool = True
+
+    with pytest.raises(ValueError, match=r"field use_new_kernel=True .*build an fsdp_float8"):
+        convert_to_float8_training(nn.Sequential(nn.Linear(64, 32)), config=WithMore())
+
+    @dataclasses.dataclass(frozen=True)
+    class OtherBlocks:
+        scaling_type: str = "dynamic"
+        scaling_granularity: str = "tensorwise"
+        target_dtype: torch.dtype | None = None
+        block_size: int = 32
+
+    with pytest.raises(ValueError, match=r"cast_config_input=.*unknown fields \['block_size'\]"):
+        convert_to_float8_training(
+            nn.Sequential(nn.Linear(64, 32)), config=_OtherConfig(OtherBlocks())
+        )
+    for bad in ("tensorwise", {"emulate": True}, Float8LinearConfig):
+        with pytest.raises(TypeError, match=r"expected an fsdp_float8.Float8LinearConfig"):
+            convert_to_float8_training(nn.Sequential(nn.Linear(64, 32)), config=bad)
+    with pytest.raises(ValueError, match="expert_config"):
+        convert_to_float8_training(nn.Sequential(nn.Linear(64, 32)), expert_config=WithMore())
+
+
+@pytest.mark.extras
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_torchaos_config_converts_to_ours(recipe: str) -> None:
+    ao = pytest.importorskip("torchao.float8")
+    theirs = dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    model = nn.Sequential(nn.Linear(64, 32))
+    convert_to_float8_training(model, config=theirs)
+    assert model[0].config == Float8LinearConfig.from_recipe_name(recipe, emulate=True)
+    with_gather = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True, pad_inner_dim=True)
+    assert Float8Linear(60, 40, config=with_gather).config == Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True, pad_inner_dim=True
+    )
