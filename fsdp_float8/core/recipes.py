@@ -107,10 +107,12 @@ def recipe_fields(
 
 
 def _auto_filter_for_recipe(
-    recipe: Float8LinearRecipeName | str, filter_fqns: list[str]
+    recipe: Float8LinearRecipeName | str, filter_fqns: list[str] | str
 ) -> Callable[[nn.Module, str], bool]:
     """A `module_filter_fn` for `recipe` (torchao's thresholds; see the module docstring).
+    `filter_fqns` is a list of strings; a single string is one name (not its characters).
     For the other recipes torchao has no thresholds: NotImplementedError, as there."""
+    fqns = names_list(filter_fqns, "filter_fqns")
     name = recipe_name_of(recipe)
     worth_it = _PAYS_OFF.get(name)
     if worth_it is None:
@@ -118,7 +120,6 @@ def _auto_filter_for_recipe(
             f"_auto_filter_for_recipe has no size thresholds for {name.value!r} (nor has "
             "torchao's); pass your own module_filter_fn, or the 'rowwise' filter"
         )
-    fqns = list(filter_fqns)
 
     def module_filter_fn(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear) or any(f in fqn for f in fqns):
@@ -127,6 +128,28 @@ def _auto_filter_for_recipe(
         return n % 16 == 0 and k % 16 == 0 and worth_it(n, k)
 
     return module_filter_fn
+
+
+def names_list(names: object, argument: str) -> list[str]:
+    """A list-of-names argument as a list: a string is one name (a JSON or command-line
+    override gives one), never iterated character by character; every item must be a
+    non-empty str (an empty one would match every fqn)."""
+    items: list = [names] if isinstance(names, str) else _as_list(names)
+    bad = [n for n in items if not isinstance(n, str) or not n]
+    if bad or not isinstance(names, (str, list, tuple, set, frozenset)):
+        what = f"{bad[0]!r} ({type(bad[0]).__name__})" if bad else type(names).__name__
+        raise TypeError(
+            f"{argument}={names!r}: expected a list of non-empty strings (or one string), "
+            f"but got {what}; e.g. {argument}=['lm_head']"
+        )
+    return items
+
+
+def _as_list(names: object) -> list:
+    try:
+        return list(names)  # type: ignore[call-overload]
+    except TypeError:
+        return [names]
 
 
 def _tensorwise_pays_off(n: int, k: int) -> bool:

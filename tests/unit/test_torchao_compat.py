@@ -370,3 +370,19 @@ def test_torchaos_config_converts_to_ours(recipe: str) -> None:
     assert Float8Linear(60, 40, config=with_gather).config == Float8LinearConfig(
         enable_fsdp_float8_all_gather=True, pad_inner_dim=True
     )
+
+
+def test_auto_filter_takes_a_string_as_one_name() -> None:
+    """A JSON or command-line override gives `filter_fqns="lm_head"`: one name, never its
+    characters (which would filter every fqn holding an 'l', 'm', ...)."""
+    as_string = _auto_filter_for_recipe("tensorwise", filter_fqns="lm_head")
+    as_list = _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head"])
+    layer = nn.Linear(64, 1040)
+    for fqn, kept in (("layers.0.mlp", True), ("lm_head", False), ("output", True)):
+        assert as_string(layer, fqn) is as_list(layer, fqn) is kept, fqn
+    assert _auto_filter_for_recipe("tensorwise", filter_fqns=("a", "b"))(layer, "c")
+    with pytest.raises(TypeError, match=r"filter_fqns=\['lm_head', 3\].*got 3 \(int\)"):
+        _auto_filter_for_recipe("tensorwise", filter_fqns=["lm_head", 3])
+    for bad in ("", [""], None, 3):  # an empty name would match every fqn
+        with pytest.raises(TypeError, match="expected a list of non-empty strings"):
+            _auto_filter_for_recipe("tensorwise", filter_fqns=bad)
