@@ -58,6 +58,12 @@ class _Swap:
     fqn: str
     linear: nn.Module  # an nn.Linear, or an experts module (expert swaps)
     config: Float8LinearConfig | None = None  # expert swaps: the experts' config
+    # the same module held by other parents too (the model reaches it under other names)
+    also: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+    def put(self, new: nn.Module) -> None:
+        for parent, name in [(self.parent, self.name), *self.also]:
+            setattr(parent, name, new)
 
 
 def convert_to_float8_training(
@@ -108,13 +114,13 @@ def convert_to_float8_training(
         if swap.parent is None:
             model = new
         else:
-            setattr(swap.parent, swap.name, new)
+            swap.put(new)
         report.converted.append(swap.fqn)
     for swap in expert_plan:
         assert swap.config is not None  # _plan_experts sets it
         experts = expert_modules.to_float8_experts(swap.linear, swap.config)
         _name_replaced(swap, experts, experts.weight_names)
-        setattr(swap.parent, swap.name, experts)
+        swap.put(experts)
         report.experts_converted.append(swap.fqn)
     model.float8_conversion_report = report  # type: ignore[assignment]
     if report.converted or report.experts_converted:
@@ -136,20 +142,38 @@ def _to_float8(linear: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
     return Float8Linear.from_float(linear, config)  # wraps the weight for float8 all-gather
 
 
-def _plan_children(parent, prefix, config, module_filter_fn, report, plan) -> None:
+def _seen(parent: nn.Module, name: str, child: nn.Module, plan: list[_Swap], seen: set) -> bool:
+    """Whether `child` was met before under another name: the same module is planned (and
+    reported) once, at its first fqn, and swapped under every name (not a tied weight)."""
+    if id(child) not in seen:
+        seen.add(id(child))
+        return False
+    for swap in plan:
+        if swap.linear is child and (swap.parent, swap.name) != (parent, name):
+            swap.also.append((parent, name))
+    return True
+
+
+def _plan_children(parent, prefix, config, module_filter_fn, report, plan, seen=None) -> None:
+    seen = set() if seen is None else seen
     for name, child in list(parent.named_children()):
         fqn = f"{prefix}.{name}" if prefix else name
-        _plan_children(child, fqn, config, module_filter_fn, report, plan)
+        if _seen(parent, name, child, plan, seen):
+            continue  # its children were planned with it (their parents are the same)
+        _plan_children(child, fqn, config, module_filter_fn, report, plan, seen)
         if isinstance(child, nn.Linear):
             _plan_linear(_Swap(parent, name, fqn, child), config, module_filter_fn, report, plan)
 
 
-def _plan_experts(parent, prefix, config, filter_fn, report, plan) -> None:
+def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) -> None:
     """Experts modules (3-D parameters) below `parent`: planned for a swap or skipped."""
+    seen = set() if seen is None else seen
     for name, child in list(parent.named_children()):
         fqn = f"{prefix}.{name}" if prefix else name
+        if _seen(parent, name, child, plan, seen):
+            continue
         if not (expert_modules.expert_layout(child) or expert_modules.has_3d_parameters(child)):
-            _plan_experts(child, fqn, config, filter_fn, report, plan)
+            _plan_experts(child, fqn, config, filter_fn, report, plan, seen)
             continue
         why = expert_modules.skip_reason(child, config)
         if why is None and filter_fn is not None and not filter_fn(child, fqn):
@@ -212,14 +236,18 @@ def _refuse_high_precision_config(config: Float8LinearConfig) -> None:
 
 
 def _refuse_tied_weights(model: nn.Module, plan: list[_Swap], module_filter_fn) -> None:
-    """A float8 all-gathered weight cannot serve another module in high precision."""
-    owners: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(fqn)
+    """A float8 all-gathered weight cannot serve another module in high precision. One
+    module reached under two names is not a tie: the weight is tied when two modules hold it."""
+    owners: dict[int, dict[str, int]] = {}  # parameter -> {its fqn: id of its module}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            fqn = f"{prefix}.{pname}" if prefix else pname
+            owners.setdefault(id(p), {})[fqn] = id(module)
     for swap in plan:
-        names = owners.get(id(swap.linear.weight), [])
-        if len(names) <= 1:
+        held = owners.get(id(swap.linear.weight), {})
+        if len(set(held.values())) <= 1:
             continue
+        names = sorted(held)
         tied = tuple(s.fqn for s in plan if s.linear.weight is swap.linear.weight)
         keep_out = f"fqn != {tied[0]!r}" if len(tied) == 1 else f"fqn not in {tied!r}"
         if module_filter_fn is None:

@@ -195,3 +195,33 @@ def test_transformer_conversion_skipping_the_output_head() -> None:
     assert len(model.float8_conversion_report.converted) == 2 * linears_per_block
     assert model.float8_conversion_report.skipped == {"output": "rejected by module_filter_fn"}
     assert type(model.output) is nn.Linear
+
+
+class _Aliased(nn.Module):
+    """One block list under two attribute names, and one layer under two parents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.layers = self.blocks  # the same modules, another name
+        shared = nn.Linear(64, 64)
+        self.a, self.b = nn.Sequential(shared), nn.Sequential(shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.layers[1](self.blocks[0](x))))
+
+
+@pytest.mark.parametrize("all_gather", [False, True])
+def test_a_module_under_two_names_is_converted_once_not_refused_as_tied(all_gather) -> None:
+    model = _Aliased()
+    x, shared_weight = torch.randn(4, 64), model.a[0].weight
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
+    convert_to_float8_training(model, config=config)
+    assert model.float8_conversion_report.converted == ["blocks.0", "blocks.1", "a.0"]
+    assert model.layers is model.blocks and model.a[0] is model.b[0]
+    assert all(type(m) is Float8Linear for m in (*model.blocks, model.a[0]))
+    model(x).sum().backward()  # each weight once: an optimizer sees 3 weights and 3 biases
+    assert len(list(model.parameters())) == 6 and model.a[0].weight.grad is not None
+    if not all_gather:  # shared, not copied
+        assert model.a[0].weight is shared_weight
