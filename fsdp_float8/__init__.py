@@ -26,6 +26,7 @@ from fsdp_float8.core.config import (
     ScalingGranularity,
     ScalingType,
 )
+from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.float8_ops import scaled_mm
 from fsdp_float8.core.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
 from fsdp_float8.core.gemms import Gemm, Operand
@@ -126,6 +127,7 @@ __all__ = [
     "ExpertCastPlan",
     "Float8FusedExperts",
     "Float8ColwiseParallel",
+    "Float8ConfigError",
     "Float8GemmConfig",
     "Float8GroupedExperts",
     "Float8Linear",

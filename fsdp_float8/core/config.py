@@ -22,7 +22,13 @@ import torch
 
 from fsdp_float8.core import scaling
 from fsdp_float8.core.config_blocks import check_block_cast, check_linear_blocks
-from fsdp_float8.core.config_fields import check_field_types, coerce_enum, filled, mark_filled
+from fsdp_float8.core.config_fields import (
+    Float8ConfigError,
+    check_field_types,
+    coerce_enum,
+    filled,
+    mark_filled,
+)
 from fsdp_float8.core.config_rules import check_cast_pairs, check_no_e5m2_pair
 from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.core.recipes import Float8LinearRecipeName, recipe_fields
@@ -69,7 +75,7 @@ class CastConfig:
         coerce_enum(self, "scaling_type", ScalingType)
         coerce_enum(self, "scaling_granularity", ScalingGranularity)
         if self.target_dtype is not None and self.target_dtype not in FLOAT8_DTYPES:
-            raise ValueError(
+            raise Float8ConfigError(
                 f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype; "
                 f"expected one of {FLOAT8_DTYPES} or None for the operand's default"
             )
@@ -78,14 +84,14 @@ class CastConfig:
             dtypes = (self.target_dtype,) if self.target_dtype else (E4M3, E5M2)
             scaling.check_static_scale(self.static_scale, dtypes)
         if not static and self.static_scale is not None:
-            raise ValueError(
+            raise Float8ConfigError(
                 f"static_scale={self.static_scale} is only used with scaling_type=static, "
                 f"got scaling_type={self.scaling_type.value}; drop static_scale or make it static"
             )
         tensorwise = self.scaling_granularity is ScalingGranularity.TENSORWISE
         if not tensorwise and self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
             gran = self.scaling_granularity.value
-            raise ValueError(
+            raise Float8ConfigError(
                 f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
                 f"per operand), got scaling_granularity={gran}; use dynamic {gran} scaling "
                 "or tensorwise granularity"
@@ -132,13 +138,13 @@ class DelayedScalingConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         if self.history_len < 1:
-            raise ValueError(f"history_len must be an int >= 1, got {self.history_len!r}")
+            raise Float8ConfigError(f"history_len must be an int >= 1, got {self.history_len!r}")
         if self.scale_fn_name not in ("max", "most_recent"):
-            raise ValueError(
+            raise Float8ConfigError(
                 f"scale_fn_name={self.scale_fn_name!r}; expected 'max' or 'most_recent'"
             )
         if self.max_forwards_without_sync < 1:
-            raise ValueError(
+            raise Float8ConfigError(
                 f"max_forwards_without_sync must be >= 1, got {self.max_forwards_without_sync}"
             )
 

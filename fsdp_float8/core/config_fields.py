@@ -23,6 +23,13 @@ FILLED = "_fsdp_float8_filled"
 T = TypeVar("T")
 
 
+class Float8ConfigError(ValueError, AssertionError):
+    """A config or a conversion this package refuses (contradictory casts, a layer it
+    cannot convert). A ValueError, as documented; also an AssertionError, which is what
+    torchao.float8 raises for these, so code written `except AssertionError` for torchao
+    catches it too."""
+
+
 def mark_filled(obj: T, how: str) -> T:
     object.__setattr__(obj, FILLED, how)
     return obj
@@ -85,6 +92,6 @@ def coerce_enum(obj: object, name: str, enum_cls: type[enum.Enum]) -> None:
     try:
         object.__setattr__(obj, name, enum_cls(value))
     except ValueError:
-        raise ValueError(
+        raise Float8ConfigError(
             f"{name}={value!r} is not valid; expected one of {[e.value for e in enum_cls]}"
         ) from None

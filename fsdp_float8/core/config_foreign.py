@@ -19,6 +19,7 @@ import enum
 from typing import Any
 
 from fsdp_float8.core.config import CastConfig, Float8GemmConfig, Float8LinearConfig
+from fsdp_float8.core.config_fields import Float8ConfigError
 
 _LINEAR_FIELDS = {f.name for f in dataclasses.fields(Float8LinearConfig)}
 _CAST_FIELDS = ("scaling_type", "scaling_granularity", "target_dtype")
@@ -47,7 +48,7 @@ def as_float8_linear_config(config: object, argument: str = "config") -> Float8L
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(config):
         if f.name not in _LINEAR_FIELDS:
-            raise ValueError(
+            raise Float8ConfigError(
                 f"{argument} is a {kind} whose field {f.name}="
                 f"{getattr(config, f.name)!r} fsdp_float8.Float8LinearConfig does not have; "
                 "build an fsdp_float8.Float8LinearConfig instead (its fields: "
@@ -68,7 +69,7 @@ def _value(value: Any, where: str, kind: str) -> object:
         return Float8GemmConfig(kw["use_fast_accum"])
     extra = [n for n in kw if n not in _CAST_FIELDS]
     if not set(_CAST_FIELDS) <= set(kw) or extra:
-        raise ValueError(
+        raise Float8ConfigError(
             f"{where}={value!r} (in a {kind}) is neither a cast config ({_CAST_FIELDS}) nor a "
             f"GEMM config (use_fast_accum){'; unknown fields ' + str(extra) if extra else ''}; "
             "build an fsdp_float8.Float8LinearConfig instead"

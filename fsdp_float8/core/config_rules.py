@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fsdp_float8.core.config_blocks import check_block_all_gather
+from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 
 Casts = dict[tuple[Operand, Gemm], Any]  # the CastConfig of each (operand, GEMM)
@@ -30,8 +31,9 @@ def check_cast_pairs(casts: Casts, *, fsdp_all_gather: bool, save_input_in_float
     for gemm, (left, right) in GEMM_OPERANDS.items():
         a, b = casts[(left, gemm)], casts[(right, gemm)]
         if a.enabled != b.enabled:
-            raise ValueError(
-                f"the {gemm.value} GEMM has {left.value} {a.scaling_type.value} but "
+            raise Float8ConfigError(
+                f"incompatible operand precision for {gemm.value}: the {gemm.value} GEMM has "
+                f"{left.value} {a.scaling_type.value} but "
                 f"{right.value} {b.scaling_type.value}: both operands of a GEMM "
                 "must be float8 or both high precision; disable or enable both"
             )
@@ -53,7 +55,7 @@ def _check_second_use(casts: Casts, operand: Operand) -> None:
     kinds = (first.scaling_type.value, second.scaling_type.value)
     stateful = any(k in ("delayed", "static") for k in kinds)
     if stateful and second.enabled and kinds[0] != kinds[1]:
-        raise ValueError(
+        raise Float8ConfigError(
             f"{operand.value} is {kinds[0]} for its first GEMM but {kinds[1]} for "
             f"{SECOND_GEMM[operand].value}; delayed and static scaling keep one scale per "
             "operand, so both uses must share the scaling type (or disable the second use)"
@@ -65,7 +67,7 @@ def _check_fsdp_all_gather(fwd, bwd) -> None:
     (same dtype and scaling type). Axiswise (per output row, local to each dim-0 shard):
     the grad_input weight is re-cast from the gathered rows (any dynamic cast)."""
     if not (fwd.enabled and bwd.enabled):
-        raise ValueError(
+        raise Float8ConfigError(
             "enable_fsdp_float8_all_gather=True needs a float8 weight in both weight "
             f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
             f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
@@ -77,13 +79,13 @@ def _check_fsdp_all_gather(fwd, bwd) -> None:
         check_block_all_gather(fwd, bwd)
         return
     if fwd.target_dtype != bwd.target_dtype or bwd.scaling_type != fwd.scaling_type:
-        raise ValueError(
+        raise Float8ConfigError(
             "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
             "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "
             "the same dtype and scaling type as cast_config_weight (or leave it None)"
         )
     if bwd.scaling_granularity.value != "tensorwise":
-        raise ValueError(
+        raise Float8ConfigError(
             "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
             "cast_config_weight_for_grad_input tensorwise (or leave it None)"
         )
@@ -96,7 +98,7 @@ def _check_save_input_in_float8(first, second) -> None:
     both = first.enabled and second.enabled and len(kinds) == 1
     same = first.target_dtype == second.target_dtype
     if not (same and both and kinds <= {"tensorwise", "blockwise"}):
-        raise ValueError(
+        raise Float8ConfigError(
             "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
             "input tensorwise (or blockwise) with the same dtype for output and "
             "grad_weight; use the 'tensorwise', 'blockwise' or 'mxfp8' recipe or set "
@@ -109,7 +111,7 @@ def check_no_e5m2_pair(casts: Casts) -> None:
     for gemm, (left, right) in GEMM_OPERANDS.items():
         pair = (casts[(left, gemm)], casts[(right, gemm)])
         if all(c.enabled and c.target_dtype == torch.float8_e5m2 for c in pair):
-            raise ValueError(
+            raise Float8ConfigError(
                 f"the {gemm.value} GEMM multiplies {left.value} and {right.value}, both "
                 "float8_e5m2: CUDA torch._scaled_mm refuses two e5m2 operands. Make one of "
                 "them float8_e4m3fn (CastConfig(target_dtype=torch.float8_e4m3fn)), or set "

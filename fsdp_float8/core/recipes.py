@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fsdp_float8.core.config_fields import Float8ConfigError
+
 E4M3 = torch.float8_e4m3fn
 
 
@@ -43,7 +45,7 @@ def recipe_name_of(recipe_name: Float8LinearRecipeName | str) -> Float8LinearRec
     valid = [r.value for r in Float8LinearRecipeName]
     if isinstance(recipe_name, str) and recipe_name in valid:
         return Float8LinearRecipeName(recipe_name)
-    raise ValueError(
+    raise Float8ConfigError(
         f"unknown float8 recipe {recipe_name!r}; expected a Float8LinearRecipeName or one "
         f"of {sorted(valid)}"
     )

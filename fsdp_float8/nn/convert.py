@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.experts import modules as expert_modules
 from fsdp_float8.fsdp.step import float8_step
@@ -96,9 +97,10 @@ def convert_to_float8_training(
     plan: list[_Swap] = []
     if isinstance(model, nn.Linear):
         if any(True for _ in model.children()):
-            raise ValueError(
-                f"the root {type(model).__name__} has children {list(dict(model.named_children()))}"
-                "; converting it would drop them. Convert a module that holds it instead"
+            raise Float8ConfigError(
+                f"Does not support a root nn.Linear with children: this {type(model).__name__} "
+                f"has {list(dict(model.named_children()))}, which converting it would drop. "
+                "Convert a module that holds it instead"
             )
         _plan_linear(_Swap(None, "", "", model), config, module_filter_fn, report, plan)
     else:
@@ -187,7 +189,7 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) ->
 def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:
     child, fqn = swap.linear, swap.fqn
     if isinstance(child.weight, DTensor) and not isinstance(child, Float8Linear):
-        raise ValueError(
+        raise Float8ConfigError(
             f"{fqn or 'the root'}.weight is already a DTensor {child.weight.placements}: "
             "convert_to_float8_training must run before fully_shard and parallelize_module "
             "(build the model, convert it, apply the tensor-parallel plan with "
@@ -219,7 +221,7 @@ def _skip_reason(child, fqn, config, module_filter_fn) -> str | None:
 def _already_converted(child: Float8Linear, fqn: str, config: Float8LinearConfig) -> str:
     if child.config == config:
         return "already a Float8Linear with this config"
-    raise ValueError(
+    raise Float8ConfigError(
         f"{fqn or 'the root'} is already a Float8Linear with another config "
         f"({child.extra_repr()}; {child.config}); converting again would keep that config. "
         "Convert the original (unconverted) model, or exclude this layer with module_filter_fn"
@@ -228,7 +230,7 @@ def _already_converted(child: Float8Linear, fqn: str, config: Float8LinearConfig
 
 def _refuse_high_precision_config(config: Float8LinearConfig) -> None:
     if not config.any_float8():
-        raise ValueError(
+        raise Float8ConfigError(
             "every cast of this Float8LinearConfig is disabled, so no GEMM would run in "
             "float8 while the layers would be reported as converted; enable at least one "
             "cast (e.g. Float8LinearConfig.from_recipe_name('tensorwise')) or do not convert"
@@ -258,7 +260,7 @@ def _refuse_tied_weights(model: nn.Module, plan: list[_Swap], module_filter_fn) 
         else:
             names_out = " and ".join(repr(t) for t in tied)
             remedy = f"your module_filter_fn also returning False for {names_out}"
-        raise ValueError(
+        raise Float8ConfigError(
             f"{swap.fqn or 'the root'}.weight is tied to {names}; a float8 all-gathered "
             "weight cannot also serve another module in high precision. Untie the weights, "
             f"or keep this layer out of float8 with {remedy}, or set "

@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn import functional as F
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_float8.core.cast_plan import CastPlan, Pair, weight_for
 from fsdp_float8.core.config import Float8LinearConfig, ScalingType
+from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
@@ -144,25 +147,36 @@ def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastP
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
-    if config.pad_inner_dim or (in_features % 16 == 0 and out_features % 16 == 0):
+    # emulated GEMMs (float32 on the dequantized operands) take any shape; the hardware's
+    # torch._scaled_mm needs both dims in multiples of 16
+    if config.pad_inner_dim or config.emulate or (in_features % 16 == 0 and out_features % 16 == 0):
         return
     remedy = "set Float8LinearConfig(pad_inner_dim=True) or keep"
     if config.uses_block_scales():  # block recipes refuse pad_inner_dim (config_blocks)
         remedy = "block-scaled recipes cannot pad (pad_inner_dim is refused with them): keep"
-    raise ValueError(
+    raise Float8ConfigError(
         f"Float8Linear({in_features}, {out_features}): float8 GEMMs contract over both dims, "
         f"which must be multiples of 16; {remedy} this layer in high precision (the default "
-        "module filter skips it), or use dims that are multiples of 16"
+        "module filter skips it), or use dims that are multiples of 16 (emulate=True runs "
+        "any dims, with float32 GEMMs)"
     )
 
 
+# torchao's short words (`i:dyn_ten_e4m3`), and this package's for what torchao lacks
+_GRANULARITY_WORD = {"tensorwise": "ten", "axiswise": "axs", "blockwise": "blk"}
+
+
 def _short(cfg) -> str:
-    if not cfg.enabled:
-        return "hp"
-    gran = cfg.scaling_granularity.value[0] + "w"  # tw, aw, bw
+    """One cast as torchao writes it, scaling_granularity_dtype: dyn_ten_e4m3,
+    dis_ten_e4m3, dyn_axs_e4m3; delayed and static are del_ / sta_; a block cast adds its
+    block shape (dyn_blk1x128_e4m3) and an e8m0 scale dtype (..._e8m0scale)."""
+    gran = _GRANULARITY_WORD[cfg.scaling_granularity.value]
     if cfg.block_shape is not None:
         gran += f"{cfg.block_shape[0]}x{cfg.block_shape[1]}"
-    return f"{cfg.scaling_type.value[:3]}_{gran}"
+    text = f"{cfg.scaling_type.value[:3]}_{gran}_{_dtype_name(cfg.target_dtype)}"
+    if cfg.scale_dtype != torch.float32:
+        text += f"_{_dtype_name(cfg.scale_dtype)}scale"
+    return text
 
 
 class Float8Linear(nn.Linear):
@@ -229,6 +243,8 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
+        if _quantized_elsewhere(weight):  # e.g. torchao's quantize_ for serving: its GEMM
+            return F.linear(x, weight, bias)
         if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel/)
             weight, bias = _local_parameters(self, x)
         if self.config.enable_fsdp_float8_all_gather:
@@ -251,17 +267,27 @@ class Float8Linear(nn.Linear):
         return out
 
     def extra_repr(self) -> str:
+        """torchao's: `..., cast_configs=i:dyn_ten_e4m3,w:dyn_ten_e4m3,go:dyn_ten_e5m2`,
+        then i_gw / w_gi / go_gw for a second use cast otherwise (see `_short`)."""
         c = self.config
-        parts = []
-        for op in OPERANDS:
-            first = c.cast(op, PRIMARY_GEMM[op])
-            second = c.cast(op, SECOND_GEMM[op])
-            text = f"{_short(first)}:{_dtype_name(c.float8_dtype(op, PRIMARY_GEMM[op]))}"
-            if second != first:
-                text += f"/{_short(second)}"
-            parts.append(f"{op.value}={text}")
+        firsts = [f"{_WORD[op]}:{_short(c.cast(op, PRIMARY_GEMM[op]))}" for op in OPERANDS]
+        seconds = [
+            f"{_WORD[op]}_{_WORD[SECOND_GEMM[op]]}:{_short(c.cast(op, SECOND_GEMM[op]))}"
+            for op in OPERANDS
+            if c.cast(op, SECOND_GEMM[op]) != c.cast(op, PRIMARY_GEMM[op])
+        ]
         fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
-        return f"{super().extra_repr()}, {', '.join(parts)}{fsdp}"
+        return f"{super().extra_repr()}, cast_configs={','.join(firsts + seconds)}{fsdp}"
+
+
+# the short names of torchao's repr: operands i, w, go; second GEMMs gw, gi
+_WORD = {
+    Operand.INPUT: "i",
+    Operand.WEIGHT: "w",
+    Operand.GRAD_OUTPUT: "go",
+    Gemm.GRAD_WEIGHT: "gw",
+    Gemm.GRAD_INPUT: "gi",
+}
 
 
 def _local_parameters(module: Float8Linear, x: torch.Tensor):
@@ -283,6 +309,16 @@ def _local_parameters(module: Float8Linear, x: torch.Tensor):
         )
     local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
     return weight.to_local(), local_bias
+
+
+def _quantized_elsewhere(weight: torch.Tensor) -> bool:
+    """A weight another library replaced by its own tensor subclass (torchao's
+    `quantize_(model, Float8WeightOnlyConfig())` after training): that subclass knows its
+    GEMM (`F.linear` dispatches to it); casting it to float8 again would be wrong."""
+    # (tracing's fake and functional tensors are not wrapper subclasses: they stay here)
+    if not is_traceable_wrapper_subclass(weight):
+        return False
+    return not isinstance(weight, (DTensor, Float8Tensor, Float8WeightWrapper))
 
 
 def _check_input_dtype(x: torch.Tensor) -> None:
@@ -330,5 +366,11 @@ def _require_float8_weight(weight) -> None:
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.float8_", "")
+_DTYPE_WORD = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.float8_e8m0fnu: "e8m0"}
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    """torchao's words for the float8 dtypes (e4m3, e5m2); others by their torch name."""
+    if dtype in _DTYPE_WORD:
+        return _DTYPE_WORD[dtype]
+    return str(dtype).removeprefix("torch.float8_")

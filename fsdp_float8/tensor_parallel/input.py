@@ -110,21 +110,22 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
         return super()._apply(module, device_mesh)
 
     def _prepare_input_arg(self, input, mesh, input_layout, desired_layout):
+        # as torch's PrepareModuleInput: a DTensor input comes as its own placements say
+        # (input_layouts describes plain tensors), so a Shard(0) DTensor is gathered on dim 0
+        layout = input_layout
+        if isinstance(input, DTensor) and input_layout is not None and input.ndim > 0:
+            layout = input.placements[0] if len(input.placements) == 1 else None
         gathers = (
-            isinstance(input_layout, Shard)
+            isinstance(layout, Shard)
             and isinstance(desired_layout, Replicate)
             and isinstance(input, torch.Tensor)
         )
         if not gathers:
             return super()._prepare_input_arg(input, mesh, input_layout, desired_layout)
-        seq_dim = input_layout.dim % input.ndim
+        assert isinstance(layout, Shard)  # gathers says so
+        seq_dim = layout.dim % input.ndim
         length = None  # a plain local shard: even shards assumed, as DTensor.from_local does
         if isinstance(input, DTensor):
-            if input.placements != (input_layout,):
-                raise ValueError(
-                    f"PrepareFloat8ModuleInput expected an input {input_layout}, got "
-                    f"{input.placements}"
-                )
             length = input.shape[seq_dim]
             _check_length(length, seq_dim, mesh)
             input = input.to_local()

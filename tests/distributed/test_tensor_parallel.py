@@ -72,18 +72,29 @@ def _grid(rank: int, world_size: int) -> dict:
     ]
     comm = {r: _one_step(TPCase(recipe=r), mesh) for r in MAX_REDUCES_PER_BLOCK}
     uneven = _uneven_sequence(mesh["tp"])
-    return {"parity": parity, "comm": comm, "refusals": _refusals(mesh), "uneven": uneven}
+    refusals = _refusals(mesh)
+    return {"parity": parity, "comm": comm, "refusals": refusals, "uneven": uneven,
+            "batch_sharded": _batch_sharded_input(mesh["tp"])}  # fmt: skip
 
 
-def _uneven_gather(tp, style, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch_sharded_input(tp) -> dict:
+    """A DTensor input sharded on dim 0 into a style declared for Shard(1): torch's
+    PrepareModuleInput takes a DTensor as its placements say; so does the float8 one."""
+    hp = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    fp8 = PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    got, want = _uneven_gather(tp, fp8, 16, dim=0), _uneven_gather(tp, hp, 16, dim=0)
+    return {"out_equal": torch.equal(got[0], want[0]), "grad_equal": torch.equal(got[1], want[1])}
+
+
+def _uneven_gather(tp, style, tokens: int, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and input gradient of a float8 colwise layer fed through ``style`` from a
-    sequence-sharded DTensor of ``tokens`` tokens (the same full input on every rank)."""
+    DTensor of ``tokens`` tokens sharded on ``dim`` (the same full input on every rank)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128, bias=False))
     convert_to_float8_training(model, config=Float8LinearConfig())
     parallelize_module(model, tp, style)
     parallelize_module(model, tp, {"0": Float8ColwiseParallel()})
-    x = distribute_tensor(torch.randn(2, tokens, 64), tp, [Shard(1)]).requires_grad_()
+    x = distribute_tensor(torch.randn(2, tokens, 64), tp, [Shard(dim)]).requires_grad_()
     out = model(x)  # this rank's 64 output columns (use_local_output)
     out.square().sum().backward()
     return out.detach(), x.grad.full_tensor()
@@ -234,3 +245,9 @@ def test_uneven_sequence_shards_gather_in_float8(results):
         assert got["refused"].startswith(
             "PrepareFloat8ModuleInput: the sequence dim (1) has 1 tokens for 2 tensor-parallel"
         ), got["refused"]
+
+
+def test_a_dtensor_input_is_gathered_on_its_own_shard_dim(results):
+    for res in results:
+        got = res["batch_sharded"]
+        assert got == {"out_equal": True, "grad_equal": True}, got

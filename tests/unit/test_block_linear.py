@@ -175,7 +175,7 @@ def test_grad_weight_recasts_activations_from_high_precision() -> None:
 
 def test_extra_repr_names_the_blocks() -> None:
     text = repr(make_linear(Float8LinearConfig.mxfp8(), in_features=IN, out_features=OUT))
-    assert "input=dyn_bw1x32:e4m3fn" in text and "weight=dyn_bw32x32:e4m3fn" in text
+    assert "i:dyn_blk1x32_e4m3_e8m0scale,w:dyn_blk32x32_e4m3_e8m0scale," in text
 
 
 def test_telemetry_reports_block_casts() -> None:

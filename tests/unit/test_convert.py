@@ -126,7 +126,7 @@ def test_repeat_conversion_with_another_recipe_raises_naming_the_existing_config
     model = convert_to_float8_training(_model(), config=Float8LinearConfig.tensorwise())
     with pytest.raises(ValueError, match="0 is already a Float8Linear with another config") as e:
         convert_to_float8_training(model, config=Float8LinearConfig.rowwise())
-    assert "input=dyn_tw:e4m3" in str(e.value) and "Convert the original" in str(e.value)
+    assert "i:dyn_ten_e4m3" in str(e.value) and "Convert the original" in str(e.value)
     assert model[0].config == Float8LinearConfig.tensorwise()  # nothing changed
 
 

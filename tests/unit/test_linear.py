@@ -178,7 +178,14 @@ def test_save_input_in_float8_same_grads_and_saves_float8() -> None:
 
 def test_extra_repr_names_the_casts() -> None:
     text = repr(make_linear(Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")))
-    assert "input=dyn_aw:e4m3fn/hp" in text and "weight=dyn_aw:e4m3fn/dyn_tw" in text
+    assert text == (
+        "Float8Linear(in_features=64, out_features=48, bias=True, cast_configs=i:dyn_axs_e4m3,"
+        "w:dyn_axs_e4m3,go:dyn_axs_e4m3,i_gw:dis_ten_e4m3,w_gi:dyn_ten_e4m3,go_gw:dis_ten_e4m3)"
+    )
+    delayed = make_linear(make_config("tensorwise", "delayed"))
+    assert delayed.extra_repr().endswith(
+        "cast_configs=i:del_ten_e4m3,w:del_ten_e4m3,go:del_ten_e5m2"
+    )
 
 
 @pytest.mark.parametrize("recipe", [r.value for r in Float8LinearRecipeName])
