@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
-from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, expand_block_scale
+from fsdp_float8.core.blocks import Block, blocked, cast_to_float8_blocks, expand_block_scale
 
 # the largest scale: its inverse is float32's smallest normal, 2^-126 (see the docstring)
 MAX_SCALE = 2.0**126
@@ -133,6 +133,22 @@ def axis_amax(hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tenso
         return torch.zeros(shape, dtype=torch.float32, device=hp.device)
     amax = hp.abs().amax(dim=dim, keepdim=True)
     return amax if exact else amax.to(torch.float32)
+
+
+def block_amax(hp: torch.Tensor, block: Block) -> torch.Tensor:
+    """max |x| of each block of `block` elements (`fsdp_float8.core.blocks`), float32, in
+    the block scale's shape; a partial last block counts its zero padding (no change)."""
+    return blocked(hp.detach(), block).abs().amax(dim=(-3, -1)).to(torch.float32)
+
+
+def grouped_axis_amax(hp: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """max |x| of each column over the rows of each group: (M, C) with each row's group id
+    in `groups` (M,) -> (n_groups, C) float32; 0 for a group without rows. One scatter of
+    |x| into zeros (include_self: |x| >= 0), no host sync."""
+    hp = hp.detach()
+    zeros = torch.zeros(n_groups, hp.shape[1], dtype=hp.dtype, device=hp.device)
+    ids = groups.unsqueeze(1).expand_as(hp)
+    return zeros.scatter_reduce(0, ids, hp.abs(), "amax", include_self=True).to(torch.float32)
 
 
 def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -19,11 +19,11 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sqnr_db,
 )
-from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, dequantize_blocks
+from fsdp_float8.core.blocks import cast_to_float8_blocks, dequantize_blocks
 from fsdp_float8.core.gemms import OPERAND_GEMMS
 from fsdp_float8.core.numerics import SQNR_DB
 from fsdp_float8.core.payload import E8M0
-from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale
+from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale, block_amax
 from fsdp_float8.nn.linear import CastPlan
 from tests.unit.float8_helpers import make_batch, make_linear, reference, run_linear
 
