@@ -1,5 +1,7 @@
 """Shared pytest setup: skip `gpu` tests without CUDA, keep CPU threads sensible, and in the
-extras lane (`make test-extras`, FSDP_FLOAT8_EXTRAS_LANE=1) fail any test that skips.
+extras lane (`make test-extras`, FSDP_FLOAT8_EXTRAS_LANE=1) fail any test that skips, and
+any module that skips at collection (a module-level `pytest.importorskip` drops the whole
+file before its tests exist, so no per-test hook sees it).
 
 Tests that need an optional package (torchao, transformers, torchtitan, accelerate,
 matplotlib) carry the `extras` marker and skip without it, so `make test` passes on a machine
@@ -30,6 +32,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 EXTRAS_LANE = os.environ.get("FSDP_FLOAT8_EXTRAS_LANE") == "1"
+_LANE_REMEDY = (
+    "every optional package is installed there, so a skip is missing evidence. Check the "
+    "pins in .ci/extras.txt and the install step of `make test-extras`"
+)
+
+
+def _reason(longrepr) -> str:
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator:
+    outcome = yield
+    report = outcome.get_result()
+    if EXTRAS_LANE and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{collector.nodeid} skipped at collection in the extras lane "
+            f"({_reason(report.longrepr)}); {_LANE_REMEDY}"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -37,10 +59,7 @@ def pytest_runtest_makereport(item: pytest.Item, call) -> Generator:
     outcome = yield
     report = outcome.get_result()
     if EXTRAS_LANE and report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} skipped in the extras lane ({reason}); every optional package "
-            "is installed there, so a skip is missing evidence. Check the pins in "
-            ".ci/extras.txt and the install step of `make test-extras`"
+            f"{item.nodeid} skipped in the extras lane ({_reason(report.longrepr)}); {_LANE_REMEDY}"
         )

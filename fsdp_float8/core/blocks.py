@@ -42,7 +42,7 @@ def scale_shape(shape: torch.Size | tuple[int, ...], block: Block) -> tuple[int,
     return (*lead, -(-r // block[0]), -(-c // block[1]))
 
 
-def _blocked(x: torch.Tensor, block: Block) -> torch.Tensor:
+def blocked(x: torch.Tensor, block: Block) -> torch.Tensor:
     """x (..., R, C), zero-padded to whole blocks, viewed as (..., R/br, br, C/bc, bc)."""
     br, bc = block
     *lead, r, c = x.shape
@@ -67,15 +67,8 @@ def _check_scale(scale: torch.Tensor, shape, block: Block) -> None:
         raise ValueError(
             f"a block scale for a tensor of shape {tuple(shape)} in {block[0]}x{block[1]} "
             f"blocks has shape {want}, got {tuple(scale.shape)}; compute it with "
-            "block_amax(hp, block) for the same block"
+            "fsdp_float8.core.scaling.block_amax(hp, block) for the same block"
         )
-
-
-def block_amax(hp: torch.Tensor, block: Block) -> torch.Tensor:
-    """max |x| of each block, float32 (min and max per block, as `scaling.axis_amax`)."""
-    x = _blocked(hp.detach(), block)
-    lo, hi = x.amin(dim=(-3, -1)), x.amax(dim=(-3, -1))
-    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
 
 
 def cast_to_float8_blocks(
@@ -86,7 +79,7 @@ def cast_to_float8_blocks(
     _check_scale(scale, hp.shape, block)
     fmax = float(torch.finfo(float8_dtype).max)
     # out of place: selective activation checkpointing refuses a saved output mutated later
-    x = _blocked(hp.detach().to(torch.float32), block)
+    x = blocked(hp.detach().to(torch.float32), block)
     x = torch.clamp(x * _per_block(scale), min=-fmax, max=fmax)
     return _unblocked(x, hp.shape).to(float8_dtype, memory_format=torch.contiguous_format)
 
@@ -96,7 +89,7 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """float32(data) * float32(1 / scale of its block), then out_dtype."""
     _check_scale(scale, data.shape, block)
-    x = _blocked(data.to(torch.float32), block) * _per_block(scale.reciprocal())
+    x = blocked(data.to(torch.float32), block) * _per_block(scale.reciprocal())
     return _unblocked(x, data.shape).to(out_dtype)
 
 

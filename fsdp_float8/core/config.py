@@ -30,7 +30,14 @@ from fsdp_float8.core.config_fields import (
     mark_filled,
 )
 from fsdp_float8.core.config_rules import check_cast_pairs, check_no_e5m2_pair
-from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
+from fsdp_float8.core.gemms import (
+    OPERAND_GEMMS,
+    OPERANDS,
+    PRIMARY_GEMM,
+    SECOND_GEMM,
+    Gemm,
+    Operand,
+)
 from fsdp_float8.core.recipes import Float8LinearRecipeName, recipe_fields
 
 E4M3 = torch.float8_e4m3fn
@@ -157,13 +164,13 @@ class Float8GemmConfig:
         check_field_types(self)
 
 
+# the config field of each cast, torchao's names: an operand's primary cast is
+# `cast_config_<operand>`, its second `cast_config_<operand>_for_<gemm>`
 _OPERAND_FIELD = {
-    (Operand.INPUT, Gemm.OUTPUT): "cast_config_input",
-    (Operand.INPUT, Gemm.GRAD_WEIGHT): "cast_config_input_for_grad_weight",
-    (Operand.WEIGHT, Gemm.OUTPUT): "cast_config_weight",
-    (Operand.WEIGHT, Gemm.GRAD_INPUT): "cast_config_weight_for_grad_input",
-    (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): "cast_config_grad_output",
-    (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): "cast_config_grad_output_for_grad_weight",
+    (op, gemm): f"cast_config_{op.value}"
+    + ("" if gemm is PRIMARY_GEMM[op] else f"_for_{gemm.value}")
+    for op in OPERANDS
+    for gemm in OPERAND_GEMMS[op]
 }
 _DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
 

@@ -1,8 +1,19 @@
 """How a tensor is scaled: the scale math once, and one small frozen class per strategy.
 
-Scale math (the house rule): amax in float32, floored at EPS, `fp8_max / amax` divided in
-float64 (so eager and torch.compile agree bit for bit), optionally rounded down to a power
-of two, then stored as float32. Casting multiplies by the scale and saturates at fp8_max.
+Scale math (the house rule): amax in float32, floored at `fp8_max / MAX_SCALE`,
+`fp8_max / amax` divided in float64 (so eager and torch.compile agree bit for bit),
+optionally rounded down to a power of two, then stored as float32. Casting multiplies by
+the scale and saturates at fp8_max.
+
+The floor. `MAX_SCALE = 2^126` is the largest scale whose inverse (what the GEMM multiplies
+by) is a normal float32, and exactly an e8m0 factor; torchao's MX casts stop at the same
+2^-126. A fixed amax floor (torchao's float8 EPS, 1e-12) would instead cap the scale at
+fp8_max / 1e-12 and flush every value below ~1e-15 (e4m3) to zero: a grad_output of 1e-20
+would give all-zero gradients. With this floor a tensor, row or block keeps its float8
+precision for any amax in float32's normal range; only an amax below fp8_max / 2^126 (e4m3
+5.3e-36, e5m2 6.7e-34) is cast with fewer bits, and its elements below 2^-126 times the
+smallest float8 subnormal (float32 subnormals themselves) become zero. An amax of 0 gives
+`MAX_SCALE` (all-zero data). Amaxes of 1e-12 and above give torchao's scales bit for bit.
 
 Granularity says what one scale covers: `Tensorwise` (one 0-d scale), `Axiswise` (one
 scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts)
@@ -33,9 +44,10 @@ from typing import Protocol
 import torch
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
-from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, expand_block_scale
+from fsdp_float8.core.blocks import Block, blocked, cast_to_float8_blocks, expand_block_scale
 
-EPS = 1e-12
+# the largest scale: its inverse is float32's smallest normal, 2^-126 (see the docstring)
+MAX_SCALE = 2.0**126
 
 
 def float8_max(float8_dtype: torch.dtype) -> float:
@@ -45,9 +57,10 @@ def float8_max(float8_dtype: torch.dtype) -> float:
 def amax_to_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool = False
 ) -> torch.Tensor:
-    """fp8_max / amax as float32, computed in float64; amax == 0 gives a large finite scale."""
-    amax64 = amax.to(torch.float64).clamp(min=EPS)
-    scale = (float8_max(float8_dtype) / amax64).to(torch.float32)
+    """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
+    fmax = float8_max(float8_dtype)
+    amax64 = amax.to(torch.float64).clamp(min=fmax / MAX_SCALE)
+    scale = (fmax / amax64).to(torch.float32)
     if power_of_2:
         scale = round_down_to_power_of_2(scale)
     return scale
@@ -120,6 +133,22 @@ def axis_amax(hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tenso
         return torch.zeros(shape, dtype=torch.float32, device=hp.device)
     amax = hp.abs().amax(dim=dim, keepdim=True)
     return amax if exact else amax.to(torch.float32)
+
+
+def block_amax(hp: torch.Tensor, block: Block) -> torch.Tensor:
+    """max |x| of each block of `block` elements (`fsdp_float8.core.blocks`), float32, in
+    the block scale's shape; a partial last block counts its zero padding (no change)."""
+    return blocked(hp.detach(), block).abs().amax(dim=(-3, -1)).to(torch.float32)
+
+
+def grouped_axis_amax(hp: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """max |x| of each column over the rows of each group: (M, C) with each row's group id
+    in `groups` (M,) -> (n_groups, C) float32; 0 for a group without rows. One scatter of
+    |x| into zeros (include_self: |x| >= 0), no host sync."""
+    hp = hp.detach()
+    zeros = torch.zeros(n_groups, hp.shape[1], dtype=hp.dtype, device=hp.device)
+    ids = groups.unsqueeze(1).expand_as(hp)
+    return zeros.scatter_reduce(0, ids, hp.abs(), "amax", include_self=True).to(torch.float32)
 
 
 def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

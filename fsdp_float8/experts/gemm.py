@@ -28,7 +28,7 @@ import torch
 
 from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast, weight_for
 from fsdp_float8.core.config import Float8LinearConfig
-from fsdp_float8.core.gemms import Gemm, Operand
+from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,
@@ -38,14 +38,12 @@ from fsdp_float8.experts.grouped_mm import (
 )
 
 GROUPS = "groups"  # the grad_weight operands: per expert, along its tokens
-# the dim each cast reduces over: tokens (M, K) / grad_output (M, N), weight (E, N, K)
+# the dim each cast reduces over: the linear's (`CONTRACTION_DIM`) counted from the end,
+# since the weight (E, N, K) gains a leading expert dim (tokens stay (M, K), grad_output
+# (M, N)); the grad_weight operands reduce per expert, along its tokens
 EXPERT_SCALE_DIM: dict[tuple[Operand, Gemm], int | str] = {
-    (Operand.INPUT, Gemm.OUTPUT): -1,
-    (Operand.WEIGHT, Gemm.OUTPUT): -1,
-    (Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT): -1,
-    (Operand.WEIGHT, Gemm.GRAD_INPUT): -2,
-    (Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT): GROUPS,
-    (Operand.INPUT, Gemm.GRAD_WEIGHT): GROUPS,
+    (op, gemm): GROUPS if gemm is Gemm.GRAD_WEIGHT else (dim - 2 if dim >= 0 else dim)
+    for (gemm, op), dim in CONTRACTION_DIM.items()
 }
 
 

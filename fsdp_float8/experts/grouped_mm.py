@@ -27,6 +27,7 @@ import torch
 
 from fsdp_float8.core._compat import grouped_mm_available, scaled_grouped_mm_available
 from fsdp_float8.core.gemm import check_gemm_scales, row_and_column_major, scaled_mm_data
+from fsdp_float8.core.scaling import grouped_axis_amax
 
 
 def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
@@ -37,15 +38,8 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 def group_column_amax(hp: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """max |x| of each column over each group's rows: (M, C) -> (E, C) float32; 0 for an
-    empty group. Min and max by scatter (exact, no abs() temporary, no host sync)."""
-    hp = hp.detach()
-    ids = expert_of_rows(offs, hp.shape[0]).unsqueeze(1).expand_as(hp)
-    zeros = torch.zeros(offs.numel(), hp.shape[1], dtype=hp.dtype, device=hp.device)
-    # include_self with zeros: the min is <= 0 <= the max, so max(|min|, |max|) is still
-    # the amax of the group's column (and 0 for a group without rows)
-    lo = zeros.scatter_reduce(0, ids, hp, "amin", include_self=True)
-    hi = zeros.scatter_reduce(0, ids, hp, "amax", include_self=True)
-    return torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+    empty group (`scaling.grouped_axis_amax`, no host sync)."""
+    return grouped_axis_amax(hp, expert_of_rows(offs, hp.shape[0]), offs.numel())
 
 
 def per_row(group_scale: torch.Tensor, offs: torch.Tensor, rows: int) -> torch.Tensor:

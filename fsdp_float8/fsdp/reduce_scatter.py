@@ -7,7 +7,7 @@ reduce-scatter with:
 
 1. quantize: each chunk destined for another rank is cut into blocks of ``block_size``
    elements (the last block zero-padded), and each block gets one scale from its own amax
-   (``scaling.DynamicScaling``: amax in float32, EPS floor, division in float64) and a
+   (``scaling.DynamicScaling``: amax in float32, division in float64, see its scale floor) and a
    saturating cast to float8;
 2. exchange: the float8 bytes and the scale bytes of each chunk are packed side by side in
    one ``uint8`` row (the payload format of ``fsdp_float8.core.payload``, its one e8m0
@@ -20,8 +20,10 @@ reduce-scatter with:
    sum up to float32 rounding because block scaling is scale-invariant) and the result is
    written into the output buffer in its dtype.
 
-Blocks tile each chunk of the flat buffer, so a block may straddle the end of one
-parameter's gradient and the start of the next (FSDP2 packs them back to back). Bytes per
+Block sizes are multiples of 4 from 4 to 4096 (``check_block_size``, run when the
+reduce-scatter is built and by every codec helper). Blocks tile each chunk of the flat
+buffer, so a block may straddle the end of one parameter's gradient and the start of the
+next (FSDP2 packs them back to back). Bytes per
 element on the wire: 1 (float8) + scale_bytes / block_size, plus the padding of each chunk's
 last block: 1.031 at block_size 128 with float32 scales (0.516x of bf16) or 1.008 with
 power-of-two scales sent as one ``float8_e8m0fnu`` byte (0.504x of bf16). A non-finite
@@ -58,19 +60,44 @@ from fsdp_float8.core.payload import E8M0, SCALE_DTYPES, PayloadLayout
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling
 
 __all__ = [
+    "MAX_BLOCK_SIZE",
     "Float8ReduceScatter",
+    "check_block_size",
     "dequantize_blocks",
     "enable_float8_reduce_scatter",
     "packed_row_bytes",
     "quantize_blocks",
 ]
 
+# Block sizes: a multiple of 4, so the float32 scales that follow each chunk's float8 bytes
+# start 4-byte aligned; at most 4096, since every chunk is padded to whole blocks (a larger
+# block sends and allocates padding, ~4 bytes of float32 per element of a block, while its
+# scales already cost under 0.1% of the bytes at 4096).
+BLOCK_MULTIPLE, MAX_BLOCK_SIZE = 4, 4096
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _RedOp = dist.ReduceOp.RedOpType
 
 
+def check_block_size(block_size: object) -> int:
+    """`block_size` if the reduce-scatter accepts it, else an error saying what it takes."""
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        if BLOCK_MULTIPLE <= block_size <= MAX_BLOCK_SIZE and block_size % BLOCK_MULTIPLE == 0:
+            return block_size
+        error: type[Exception] = ValueError
+    else:
+        error = TypeError
+    raise error(
+        f"block_size={block_size!r} is not accepted: the float8 reduce-scatter takes an "
+        f"int, a multiple of {BLOCK_MULTIPLE} (the float32 scales after each chunk's "
+        f"float8 bytes must stay 4-byte aligned) from {BLOCK_MULTIPLE} to "
+        f"{MAX_BLOCK_SIZE} (each chunk is padded to whole blocks, so a larger block "
+        "only allocates and sends padding); pass e.g. block_size=128 (the default) or 32"
+    )
+
+
 def _layout(n: int, block_size: int, float8_dtype: torch.dtype, scale_dtype) -> PayloadLayout:
     """A chunk of `n` elements on the wire: whole blocks of float8 bytes, then their scales."""
+    check_block_size(block_size)
     n_blocks = math.ceil(n / block_size)
     scale_cols = n_blocks * scale_dtype.itemsize
     return PayloadLayout(float8_dtype, scale_dtype, n_blocks * block_size, scale_cols)
@@ -139,10 +166,7 @@ class Float8ReduceScatter(ReduceScatter):
         float8_dtype: torch.dtype = torch.float8_e4m3fn,
         scale_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(
-                f"block_size must be a positive int, got {block_size!r}; 128 is the default"
-            )
+        check_block_size(block_size)
         if float8_dtype not in _FLOAT8_DTYPES:
             raise ValueError(
                 f"float8_dtype must be one of {_FLOAT8_DTYPES}, got {float8_dtype}; "

@@ -19,12 +19,13 @@ from fsdp_float8 import (
     convert_to_float8_training,
     sqnr_db,
 )
-from fsdp_float8.core.blocks import block_amax, cast_to_float8_blocks, dequantize_blocks
+from fsdp_float8.core.blocks import cast_to_float8_blocks, dequantize_blocks
 from fsdp_float8.core.gemms import OPERAND_GEMMS
 from fsdp_float8.core.numerics import SQNR_DB
 from fsdp_float8.core.payload import E8M0
-from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale
+from fsdp_float8.core.scaling import Blockwise, DynamicScaling, amax_to_scale, block_amax
 from fsdp_float8.nn.linear import CastPlan
+from tests.distributed.launcher import cpu_mesh, run_distributed
 from tests.unit.float8_helpers import make_batch, make_linear, reference, run_linear
 
 BLOCK_RECIPES = ("blockwise", "mxfp8")
@@ -216,43 +217,43 @@ def test_fullgraph_compile_equals_eager(recipe) -> None:
     torch._dynamo.reset()
 
 
-def test_telemetry_of_a_float8_gathered_block_weight(tmp_path) -> None:
-    """FSDP2 (one in-process rank) gathers an MX weight in float8: before telemetry knows
-    the sharded parameter the record has no saturation/underflow; after, the shard's own
-    block scales (exactly the all-gather's) give the counts."""
-    import os
+def _gathered_block_weight_run(rank: int, world_size: int) -> dict:
+    """On one fresh gloo rank (`run_distributed`): two steps of an MX layer whose weight
+    FSDP2 gathers in float8, telemetry attached before fully_shard."""
     import warnings
 
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_float8 import convert_to_float8_training
-    from fsdp_float8.core.numerics import underflow_fraction
-    from fsdp_float8.core.scaling import Blockwise as B
     from fsdp_float8.tools.telemetry import Float8Telemetry
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    store = dist.FileStore(os.path.join(tmp_path, "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
-        with torch.no_grad():
-            model[0].weight.mul_(1e-3)[:, 0] = 1.0  # tiny elements beside a large one
-        hp = model[0].weight.detach().clone()
-        config = Float8LinearConfig.mxfp8(enable_fsdp_float8_all_gather=True)
-        convert_to_float8_training(model, config=config)
-        tel = Float8Telemetry(model, every=1, saturation_warn=None, underflow_warn=None)
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        for _ in range(2):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                model(torch.randn(8, 64)).sum().backward()
-            tel.step()
-        weights = {r["step"]: r for r in tel.flush() if r["operand"] == "weight"}
-    finally:
-        dist.destroy_process_group()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)[:, 0] = 1.0  # tiny elements beside a large one
+    hp = model[0].weight.detach().clone()
+    config = Float8LinearConfig.mxfp8(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config)
+    tel = Float8Telemetry(model, every=1, saturation_warn=None, underflow_warn=None)
+    fully_shard(model, mesh=cpu_mesh(1))
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.randn(8, 64)).sum().backward()
+        tel.step()
+    weights = {r["step"]: r for r in tel.flush() if r["operand"] == "weight"}
+    return {"hp": hp, "weights": weights}
+
+
+def test_telemetry_of_a_float8_gathered_block_weight(tmp_path) -> None:
+    """FSDP2 (one gloo rank, in a process of its own so that no process group left by
+    another test interferes) gathers an MX weight in float8: before telemetry knows the
+    sharded parameter the record has no saturation/underflow; after, the shard's own
+    block scales (exactly the all-gather's) give the counts."""
+    from fsdp_float8.core.numerics import underflow_fraction
+    from fsdp_float8.core.scaling import Blockwise as B
+
+    (out,) = run_distributed(_gathered_block_weight_run, 1, tmp_path)
+    hp, weights = out["hp"], out["weights"]
     scale = DynamicScaling(granularity=B((32, 32), E8M0), power_of_2=True).scale(hp, -1, E4M3)
     full = B((32, 32), E8M0).broadcastable(scale, hp, -1)
     assert weights[0]["underflow"] is None and weights[0]["scale"] == scale.min().item()

@@ -12,7 +12,6 @@ import torch
 
 from fsdp_float8 import Float8Tensor, sqnr_db
 from fsdp_float8.core.blocks import (
-    block_amax,
     block_scaled_mm,
     cast_to_float8_blocks,
     dequantize_blocks,
@@ -27,6 +26,7 @@ from fsdp_float8.core.scaling import (
     DynamicScaling,
     Tensorwise,
     amax_to_scale,
+    block_amax,
     cast_to_float8_data,
 )
 

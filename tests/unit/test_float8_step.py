@@ -172,13 +172,19 @@ def test_optimizer_built_before_conversion_is_refused_at_its_first_step():
 
 
 def test_optimizer_built_before_conversion_without_all_gather_is_fine():
-    # without float8 all-gather the Parameters are shared, not replaced
+    # without float8 all-gather the Parameters are shared, not replaced: the optimizer
+    # built before conversion steps the converted layer's weight
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64))
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     convert_to_float8_training(model, config=Float8LinearConfig.tensorwise())
     model(torch.randn(2, 64)).sum().backward()
+    weight = model[0].weight
+    expected = weight.detach() - weight.grad  # SGD at lr 1: w - g, exactly
+    assert weight.grad.abs().max() > 0
     opt.step()
+    assert torch.equal(weight.detach(), expected)
+    assert model[0].weight is weight
 
 
 def test_weight_wrapper_data_ptr_is_the_inner_tensors():

@@ -1,106 +1,182 @@
-"""One home per concept (DESIGN.md): the package keeps its collectives and hooks in place.
+"""One home per concept (DESIGN.md): the package keeps its collectives, hooks and tables in
+place. Each rule is an `ast` finder (tests/layout_rules.py), checked on every module of the
+package and, below, on a snippet that breaks it and one that only looks alike:
 
-- `all_reduce` is called only by amax_sync.py (comm_stats only names ops it counts);
-- FSDP2's all-gather hooks are defined only under weight_wrappers/;
-- ScalingType words (if/elif, dict keys, any `ScalingType.X`) live only in config.py (the
-  words -> strategies and words -> weight wrappers maps);
-- the operand/GEMM topology (`Operand.X: Gemm.Y` tables) is spelled only in gemms.py;
-- delayed-scaling state (its buffers and host flags) lives only in delayed_state.py;
-- the post-optimizer refresh (precomputed weight scales, delayed syncs) only in fsdp.py;
+- `all_reduce` is called only by core/amax_sync.py (tools/comm_stats.py only names the ops
+  it counts);
+- FSDP2's all-gather hooks are defined only under fsdp/weight_wrappers/;
+- `ScalingType.X` (a branch, a dict key, a comparison) appears only in core/config.py, the
+  words -> strategies and words -> weight wrappers maps;
+- the operand/GEMM topology (dict literals pairing `Operand.X` with `Gemm.Y`, tuple keys
+  included) is spelled only in core/gemms.py, and no helper works out an operand's other
+  GEMM by hand;
+- delayed-scaling state (its `fp8_*` buffers and host flags) lives only in
+  fsdp/delayed_state.py;
+- the post-optimizer refresh (precomputed weight scales, delayed syncs) is driven only from
+  fsdp/refresh.py;
 - no module imports numpy (a scripts-only dependency);
-- the amax reduction (max |x|) is written only in scaling.py (`tensor_amax`, `axis_amax`,
-  `tensor_amaxes`): one choice of reduction op for every cast, precompute and telemetry;
-- torch features are probed only in _compat.py (no version checks), and nothing loops over
-  an Enum class (torch 2.11 dynamo cannot).
+- the amax reduction (max |x|, or the min and max it is made of) is written only in
+  core/scaling.py: one choice of reduction op for every cast, precompute and telemetry;
+- torch features are probed only in core/_compat.py (no version checks), and nothing loops
+  over an Enum class (torch 2.11 dynamo cannot);
+- one scale path: `amax_to_scale` is called only in core/scaling.py, the batched MAX
+  all-reduce of amaxes in one module of fsdp/, the power-of-two flag read only by
+  core/config.py.
 """
 
 from __future__ import annotations
 
-import re
+import ast
+import functools
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from tests import layout_rules as rules
 from tests.import_graph import circles, imported_names
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_float8"
 
 
-def _sources() -> dict[str, str]:
-    return {str(p.relative_to(PACKAGE)): p.read_text() for p in PACKAGE.rglob("*.py")}
+@functools.cache
+def _trees() -> dict[str, ast.Module]:
+    return {
+        str(p.relative_to(PACKAGE)): ast.parse(p.read_text(), str(p))
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
 
 
-def test_all_reduce_is_called_only_by_amax_sync():
-    callers = [f for f, text in _sources().items() if re.search(r"\ball_reduce\(", text)]
-    assert callers == ["core/amax_sync.py"]
+def _homes(finder) -> set[str]:
+    return {f for f, tree in _trees().items() if finder(tree)}
 
 
-def test_fsdp_hooks_live_in_weight_wrappers():
-    homes = [
-        f for f, text in _sources().items() if re.search(r"def fsdp_(pre|post)_all_gather", text)
-    ]
+@dataclass(frozen=True)
+class Rule:
+    finder: object
+    homes: frozenset[str]  # the modules allowed to break it
+    required: bool  # every home must hold it (the concept lives there)
+    violation: str  # a snippet the finder must catch
+    lookalike: str  # a snippet it must let through
+
+    def __repr__(self) -> str:
+        return self.finder.__name__  # type: ignore[attr-defined]
+
+
+def _rule(finder, homes=(), *, required=False, violation: str, lookalike: str) -> Rule:
+    return Rule(finder, frozenset(homes), required, violation, lookalike)
+
+
+RULES = [
+    _rule(
+        rules.all_reduce_calls, {"core/amax_sync.py"}, required=True,
+        violation="from torch.distributed import all_reduce as ar\nar(t)",
+        lookalike="op = 'all_reduce'\ncounts.all_reduce_bytes(t)",
+    ),
+    _rule(
+        rules.scaling_type_members, {"core/config.py"}, required=True,
+        violation="from fsdp_float8.core.config import ScalingType as S\nT = {(S.DELAYED, 1): 2}",
+        lookalike="kind = cfg.scaling_type\nname = ScalingType.__name__",
+    ),
+    _rule(
+        rules.topology_tables, {"core/gemms.py"}, required=True,
+        violation="T = {(Operand.INPUT, Gemm.OUTPUT): -1}",
+        lookalike="cast(x, Operand.INPUT, Gemm.OUTPUT)\nT = {Operand.INPUT: 1}",
+    ),
+    _rule(
+        rules.hand_written_second_gemm,
+        violation="other = [g for g in gemms if g is not first]",
+        lookalike="if g is not None:\n    pass",
+    ),
+    _rule(
+        rules.fp8_buffers, {"fsdp/delayed_state.py"}, required=True,
+        violation='self.register_buffer(f"fp8_amax_{name}", t)',
+        lookalike='self.register_buffer("running_mean", t)',
+    ),
+    _rule(
+        rules.delayed_flags, {"fsdp/delayed_state.py"},
+        violation="a, state.synced_step = 1, 2",
+        lookalike="n = state.synced_step",
+    ),
+    _rule(
+        rules.refresh_calls, {"fsdp/refresh.py"}, required=True,
+        violation="w.set_precomputed_scale(s)",
+        lookalike="def set_precomputed_scale(self, s):\n    pass",
+    ),
+    _rule(
+        rules.numpy_imports,
+        violation="def f():\n    import numpy as np",
+        lookalike="import numbers",
+    ),
+    _rule(
+        rules.amax_reductions, {"core/scaling.py"}, required=True,
+        violation="lo, hi = x.amin(dim=1), x.amax(dim=1)",
+        lookalike="a = self.granularity.amax(hp, -1)\nb = history.amax()\nc = scale.max()",
+    ),
+    _rule(
+        rules.version_probes, {"core/_compat.py"},
+        violation="if torch.__version__ >= '2.12':\n    pass",
+        lookalike="msg = f'torch {torch.__version__}'",
+    ),
+    _rule(
+        rules.enum_class_loops,
+        violation="names = [g.value for g in Gemm]",
+        lookalike="names = [g.value for g in GEMMS]",
+    ),
+    _rule(
+        rules.pow2_flag_reads, {"core/config.py"}, required=True,
+        violation="p = cfg.round_scales_to_power_of_2",
+        lookalike="cfg = dict(round_scales_to_power_of_2=True)",
+    ),
+    _rule(rules.pow2_helpers, violation="def _pow2(x):\n    pass", lookalike="def pow2(x):\n    pass"),
+    _rule(
+        rules.amax_to_scale_calls, {"core/scaling.py"}, required=True,
+        violation="s = amax_to_scale(a, E4M3)",
+        lookalike="from fsdp_float8.core.scaling import amax_to_scale",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_each_concept_has_one_home(rule: Rule) -> None:
+    homes = _homes(rule.finder)
+    assert homes <= rule.homes, sorted(homes - rule.homes)
+    if rule.required:
+        assert homes == rule.homes, sorted(rule.homes - homes)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_each_rule_catches_its_violation(rule: Rule) -> None:
+    assert rule.finder(ast.parse(rule.violation)), rule.violation
+    assert not rule.finder(ast.parse(rule.lookalike)), rule.lookalike
+
+
+def test_amax_reductions_catch_every_spelling() -> None:
+    for code in (
+        "m = x.abs().max()",
+        "m = torch.max(torch.abs(x))",
+        "m = torch.amax(x.abs(), dim=0)",
+        "lo, hi = torch.aminmax(x)",
+        "m = torch.linalg.vector_norm(x, float('inf'))",
+        "m = z.scatter_reduce(0, ids, x, 'amax', include_self=True)",
+    ):
+        assert rules.amax_reductions(ast.parse(code)), code
+
+
+def test_fsdp_hooks_live_in_weight_wrappers() -> None:
+    homes = _homes(rules.fsdp_hook_defs)
     assert homes and all(f.startswith("fsdp/weight_wrappers/") for f in homes), homes
+    assert rules.fsdp_hook_defs(ast.parse("class W:\n    def fsdp_pre_all_gather(self): ..."))
+    assert not rules.fsdp_hook_defs(ast.parse("out = w.fsdp_pre_all_gather(mesh)"))
 
 
-def test_scaling_type_branches_only_in_config():
-    branching = [
-        f for f, text in _sources().items() if re.search(r"(if|elif) .*ScalingType\.\w+", text)
-    ]
-    assert set(branching) <= {"core/config.py"}, branching
-
-
-def test_amax_reduction_lives_in_scaling():
-    pattern = r"abs\(\)\.amax\(|vector_norm\(|_foreach_norm\(|\baminmax\("
-    homes = [f for f, text in _sources().items() if re.search(pattern, text)]
-    assert homes == ["core/scaling.py"], homes
-
-
-def test_package_does_not_import_numpy():
-    # numpy is the scripts' dependency (pyproject extra `f8train`), not the library's
-    importers = [
-        f for f, text in _sources().items() if re.search(r"^\s*(import|from) numpy\b", text, re.M)
-    ]
-    assert importers == [], importers
-
-
-def test_torch_features_are_probed_only_in_compat():
-    # Support for torch 2.11-2.15 is by feature checks in one place, never by version.
-    pattern = r"torch\.__version__\s*[<>=!]|TorchVersion|version\.parse|_make_nccl_premul_sum\("
-    homes = [f for f, text in _sources().items() if re.search(pattern, text)]
-    assert set(homes) <= {"core/_compat.py"}, homes
-
-
-def test_no_loop_over_an_enum_class():
-    # dynamo in torch 2.11 cannot iterate an Enum class inside a compiled function: loop
-    # over config.OPERANDS / config.GEMMS instead.
-    pattern = r"\bin (Operand|Gemm|ScalingType|ScalingGranularity)\b(?!\.)"
-    loops = [f for f, text in _sources().items() if re.search(pattern, text)]
-    assert loops == [], loops
-
-
-def _homes(pattern: str) -> set[str]:
-    return {f for f, text in _sources().items() if re.search(pattern, text)}
-
-
-def test_scaling_type_words_only_in_config():
-    # catches dict dispatch ({ScalingType.DYNAMIC: ...}) and comparisons, not only if/elif
-    assert _homes(r"ScalingType\.[A-Z]") <= {"core/config.py"}
-
-
-def test_operand_gemm_topology_only_in_gemms():
-    assert _homes(r"Operand\.\w+\s*:\s*\(?Gemm\.") <= {"core/gemms.py"}
-    assert _homes(r"Gemm\.\w+\s*:\s*\(Operand\.") == {"core/gemms.py"}  # GEMM_OPERANDS
-    assert _homes(r"g is not first|\bsecond_gemm\(") == set()
-
-
-def test_delayed_state_lives_in_one_module():
-    buffers = _homes(r"register_buffer\(\s*f?[\"']fp8_")
-    flags = _homes(r"\b(weight_ready|synced_step|syncs|sync_group|forwards_since_sync)\s*=[^=]")
-    assert buffers == {"fsdp/delayed_state.py"}, buffers
-    assert flags <= {"fsdp/delayed_state.py"}, flags
-
-
-def test_post_optimizer_refresh_lives_in_fsdp():
-    homes = _homes(r"\.(set_precomputed_scale|apply_reduced|slots)\(")
-    assert homes == {"fsdp/refresh.py"}, homes
+def test_the_batched_amax_reduction_is_the_only_one_outside_the_scale_path() -> None:
+    # the float8 step's batched reduction (one module of fsdp/) is the only MAX
+    # all-reduce of amaxes outside core/amax_sync.py and core/scaling.py
+    outside = _homes(rules.amax_all_reduce_calls) - {"core/amax_sync.py", "core/scaling.py"}
+    assert len(outside) == 1 and next(iter(outside)).startswith("fsdp/"), outside
+    assert rules.amax_all_reduce_calls(ast.parse("all_reduce_amax_(a, group)"))
+    assert not rules.amax_all_reduce_calls(ast.parse("all_reduce_amax = None"))
 
 
 # ------------------------------------------------------------------------ the import graph
@@ -159,21 +235,3 @@ def test_the_import_graph_sees_function_level_imports():
     assert "fsdp_float8.core.blocks_cuda" in graph["fsdp_float8.core.blocks"]
     # and a circle made that way is found
     assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
-
-
-# ---------------------------------------------------------------------- one scale path
-
-
-def test_scales_come_from_amaxes_in_scaling_only():
-    # amax -> (reduce over a group) -> scale is written once: everyone else asks a strategy
-    assert _homes(r"\bamax_to_scale\(") == {"core/scaling.py"}
-    # the float8 step's batched reduction (one module of fsdp/) is the only MAX
-    # all-reduce outside the path
-    outside = _homes(r"\ball_reduce_amax_\(") - {"core/amax_sync.py", "core/scaling.py"}
-    assert len(outside) == 1 and next(iter(outside)).startswith("fsdp/"), outside
-
-
-def test_power_of_two_flag_has_one_reader():
-    # config.strategy() reads it into the strategies; config_blocks validates it
-    assert _homes(r"\.round_scales_to_power_of_2\b") == {"core/config.py"}
-    assert _homes(r"class TPReducedScaling|def _pow2\(") == set()

@@ -5,13 +5,11 @@ FSDP2 float8 all-gather weight path on one in-process rank."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -33,6 +31,7 @@ from fsdp_float8.tools.telemetry import (
     Float8NumericsWarning,
     Float8Telemetry,
 )
+from tests.distributed.launcher import cpu_mesh, run_distributed
 from tests.unit.float8_helpers import OpLog
 
 DIM = 16
@@ -245,40 +244,43 @@ def test_delayed_uses_module_scale_and_leaves_state_untouched():
             assert r["scale"] == scales[step][f"{layer}.delayed_scaling.fp8_scale_{op}"].item()
 
 
-def test_fsdp2_float8_all_gather_weight_uses_sharded_hp(tmp_path):
-    """Attached before fully_shard: step 0 has no sharded weight yet (saturation and
-    underflow None, a warning); from step 1 the sharded hp weight gives exact counts."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    from torch.distributed.device_mesh import init_device_mesh
+def _fsdp2_float8_all_gather_run(rank: int, world_size: int) -> dict:
+    """On one fresh gloo rank (`run_distributed`): two steps of a static-scaled layer whose
+    weight FSDP2 gathers in float8, telemetry attached before fully_shard."""
     from torch.distributed.fsdp import fully_shard
 
-    store = dist.FileStore(os.path.join(tmp_path, "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        config = Float8LinearConfig(
-            cast_config_weight=CastConfig(scaling_type="static", static_scale=1.0),
-            enable_fsdp_float8_all_gather=True,
-        )
-        model = nn.Sequential(OrderedDict(proj=nn.Linear(DIM, DIM, bias=False)))
-        with torch.no_grad():
-            model.proj.weight.copy_(_known("weight", (DIM, DIM), 0.5))
-        convert_to_float8_training(model, config=config)
-        tel = Float8Telemetry(model, every=1, saturation_warn=None, underflow_warn=None)
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        weight_types = []
-        model.proj.register_forward_pre_hook(lambda m, a: weight_types.append(type(m.weight)))
-        for step in range(2):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                model(torch.randn(8, DIM)).sum().backward()
-            assert any("after fully_shard" in str(w.message) for w in caught) == (step == 0)
-            tel.step()
-        weights = {r["step"]: r for r in tel.flush() if r["operand"] == "weight"}
-    finally:
-        dist.destroy_process_group()
-    assert all(issubclass(t, Float8Tensor) for t in weight_types)
-    first, second = weights[0], weights[1]
+    config = Float8LinearConfig(
+        cast_config_weight=CastConfig(scaling_type="static", static_scale=1.0),
+        enable_fsdp_float8_all_gather=True,
+    )
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(DIM, DIM, bias=False)))
+    with torch.no_grad():
+        model.proj.weight.copy_(_known("weight", (DIM, DIM), 0.5))
+    convert_to_float8_training(model, config=config)
+    tel = Float8Telemetry(model, every=1, saturation_warn=None, underflow_warn=None)
+    fully_shard(model, mesh=cpu_mesh(1))
+    gathered = []
+    model.proj.register_forward_pre_hook(
+        lambda m, a: gathered.append(isinstance(m.weight, Float8Tensor))
+    )
+    warned = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(torch.randn(8, DIM)).sum().backward()
+        warned.append(any("after fully_shard" in str(w.message) for w in caught))
+        tel.step()
+    weights = {r["step"]: r for r in tel.flush() if r["operand"] == "weight"}
+    return {"gathered": gathered, "warned": warned, "weights": weights}
+
+
+def test_fsdp2_float8_all_gather_weight_uses_sharded_hp(tmp_path):
+    """Attached before fully_shard: step 0 has no sharded weight yet (saturation and
+    underflow None, a warning); from step 1 the sharded hp weight gives exact counts. In a
+    process of its own, so a process group left by another test cannot interfere."""
+    (out,) = run_distributed(_fsdp2_float8_all_gather_run, 1, tmp_path)
+    assert out["gathered"] == [True, True] and out["warned"] == [True, False]
+    first, second = out["weights"][0], out["weights"][1]
     assert (first["saturation"], first["underflow"], first["scale"]) == (None, None, 1.0)
     assert first["amax"] == 448.0  # dequantized: the saturated elements read as the max
     n_sat, n_under, *_ = COUNTS["weight"]
