@@ -151,6 +151,20 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _not_a_run(run: Path) -> str | None:
+    """Why ``run`` is not a folder of a trainer run with metrics (None: it is)."""
+    if not run.is_dir():
+        return "no such folder" if not run.exists() else "not a folder"
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return "no metrics.jsonl in it (not an f8train.train --out, or no step has run)"
+    try:
+        metrics.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        return f"{metrics} cannot be read ({err})"
+    return None
+
+
 def run_figures(run_dir: str | Path, skip: int) -> dict:
     """Medians of tokens/s and MFU after the first `skip` steps (compilation, allocator
     warm-up), the peak memory of all steps, the last loss; None where no step has it."""
@@ -225,6 +239,10 @@ def plot(results: list[dict], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
     if args.runs:
+        for run in args.runs:
+            if (why := _not_a_run(Path(run))) is not None:
+                print(f"f8train.compare: error: --runs {run}: {why}", file=sys.stderr)
+                return 2
         compare_runs(args.runs, args.skip, args.json)
         return 0
     out = Path(args.out)

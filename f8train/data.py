@@ -10,8 +10,11 @@ local)``: the batches never depend on the world size, so a run resumes at any wo
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import os
+import stat
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -47,8 +50,10 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "fsdp_float8"
 
 
+@functools.cache
 def stdlib_files() -> tuple[Path, list[Path]]:
-    """The standard library root and its ``*.py`` files, sorted by relative path."""
+    """The standard library root and its ``*.py`` files, sorted by relative path (listed
+    once per process: the argument checks and the loading both need them)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     return root, _sorted_files(root, "*.py")
 
@@ -58,19 +63,40 @@ def _sorted_files(root: Path, pattern: str) -> list[Path]:
     return [found[k] for k in sorted(found) if not _EXCLUDED_DIRS.intersection(k.split("/"))]
 
 
-def _byte_cache(root: Path, files: list[Path], cache_dir: Path, prefix: str) -> np.ndarray:
+def _byte_cache(
+    root: Path, files: list[Path], cache_dir: Path, prefix: str, *, text_only: bool = False
+) -> np.ndarray:
     """``files`` concatenated as bytes into a uint16 token file named by a fingerprint of
-    their names and sizes (built once; atomic rename), memory-mapped."""
+    their names and sizes (built once; atomic rename), memory-mapped. ``text_only``: a file
+    holding a NUL byte stops the build, naming it (a binary file would train as text)."""
     listing = "".join(f"{p.relative_to(root).as_posix()}\t{p.stat().st_size}\n" for p in files)
     cache_path = cache_dir / f"{prefix}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.u16.bin"
     if not cache_path.exists():
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_path.with_name(f"{cache_path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as out:
-            for path in files:
-                out.write(np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16))
+        try:
+            with open(tmp, "wb") as out:
+                for path in files:
+                    raw = path.read_bytes()
+                    if text_only and (at := raw.find(b"\0")) >= 0:
+                        raise ValueError(
+                            f"--data folder {root}: {path} {_binary_text(at)}; move it out of "
+                            "the folder (a folder is read as text files), or pass a token "
+                            "file alone as --data"
+                        )
+                    out.write(np.frombuffer(raw, dtype=np.uint8).astype(np.uint16))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, cache_path)
     return _memmap(cache_path, np.dtype(np.uint16))
+
+
+def _binary_text(at: int) -> str:
+    return (
+        f"holds NUL bytes (the first at byte {at}): it looks like a binary token file, "
+        "which would train as text"
+    )
 
 
 def _token_file_dtype(path: Path, token_dtype: str | np.dtype | None) -> np.dtype:
@@ -113,11 +139,14 @@ def _load_source(
             f"--data {data} does not exist; expected a text file, a folder of text files or "
             "a .u16.bin/.u32.bin token file (omit --data to use the Python stdlib corpus)"
         )
+    if (problem := not_regular(data)) is not None:
+        raise ValueError(f"--data {problem}")
     if data.is_dir():
         files = _sorted_files(data, "*")
         if not files:
             raise ValueError(f"--data folder {data} contains no files; expected text files")
-        tokens = _byte_cache(data, files, cache_dir, f"dir-{data.resolve().name}")
+        prefix = f"dir-{data.resolve().name}"
+        tokens = _byte_cache(data, files, cache_dir, prefix, text_only=True)
         return tokens, f"folder {data}", BYTE_VOCAB_SIZE
     if data.name.endswith(".bin") or token_dtype is not None:
         return _memmap(data, _token_file_dtype(data, token_dtype)), f"tokens {data}", None
@@ -126,11 +155,81 @@ def _load_source(
         at = f.read(1 << 20).find(b"\0")
     if at >= 0:
         raise ValueError(
-            f"--data {data} holds NUL bytes (the first at byte {at}): it looks like a binary "
-            "token file, which would train as text here. Name it *.u16.bin or *.u32.bin, or "
+            f"--data {data} {_binary_text(at)} here. Name it *.u16.bin or *.u32.bin, or "
             "pass --token-dtype uint16/uint32; a text file must have no NUL bytes"
         )
     return _memmap(data, np.dtype(np.uint8)), f"text {data}", BYTE_VOCAB_SIZE
+
+
+def not_regular(path: Path) -> str | None:
+    """Why ``path`` cannot be read as ``--data`` (None: a regular file or a folder), from
+    ``stat`` alone: opening a named pipe that has no writer blocks for ever."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return (
+            f"{path} does not exist; expected a text file, a folder of text files or a "
+            ".u16.bin/.u32.bin token file (omit --data to use the Python stdlib corpus)"
+        )
+    except OSError as err:
+        return f"{path} cannot be read ({err.strerror}); check its permissions"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = (
+        "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    )
+    return (
+        f"{path} is not a regular file or a folder ({kind}), which the trainer reads several "
+        "times and whose size it needs (a pipe without a writer would block in open); "
+        "write the data to a file and pass that"
+    )
+
+
+def corpus_tokens(data: str | Path | None, token_dtype: str | None = None) -> int | None:
+    """How many tokens ``load_tokens(data)`` gives, from file sizes (nothing is opened);
+    None when the file's token dtype cannot be told (``load_tokens`` then says why)."""
+    if data is None:
+        return sum(p.stat().st_size for p in stdlib_files()[1])
+    path = Path(data)
+    if path.is_dir():
+        return sum(p.stat().st_size for p in _sorted_files(path, "*"))
+    if path.name.endswith(".bin") or token_dtype is not None:
+        try:
+            return path.stat().st_size // _token_file_dtype(path, token_dtype).itemsize
+        except ValueError:
+            return None
+    return path.stat().st_size
+
+
+def val_tokens(n_tokens: int, val_fraction: float) -> int:
+    """The length of the validation split of ``n_tokens`` (its last ``val_fraction``)."""
+    return max(1, int(n_tokens * val_fraction))
+
+
+def val_batches_available(n_val: int, seq_len: int, global_batch: int) -> int:
+    """Validation batches of ``global_batch`` windows of ``seq_len + 1`` tokens in a split
+    of ``n_val`` tokens (consecutive windows overlap by one token)."""
+    return (n_val - 1) // (seq_len * global_batch)
+
+
+def min_corpus_tokens(
+    *, val_fraction: float, seq_len: int, global_batch: int, val_batches: int
+) -> int:
+    """The fewest tokens whose validation split holds ``val_batches`` batches and whose
+    training split holds one window."""
+    n = math.ceil((val_batches * seq_len * global_batch + 1) / val_fraction)
+    while (
+        n > 1
+        and val_batches_available(val_tokens(n - 1, val_fraction), seq_len, global_batch)
+        >= val_batches
+    ):
+        n -= 1
+    while (
+        val_batches_available(val_tokens(n, val_fraction), seq_len, global_batch) < val_batches
+        or n - val_tokens(n, val_fraction) < seq_len + 1
+    ):
+        n += 1
+    return n
 
 
 def load_tokens(
@@ -145,7 +244,7 @@ def load_tokens(
         raise ValueError(f"val_fraction={val_fraction}; expected a float in (0, 1)")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tokens, source, vocab = _load_source(None if data is None else Path(data), cache, token_dtype)
-    val_start = len(tokens) - max(1, int(len(tokens) * val_fraction))
+    val_start = len(tokens) - val_tokens(len(tokens), val_fraction)
     return TokenData(tokens, val_start, source, vocab)
 
 
@@ -244,7 +343,7 @@ class ValidationBatches(_Layout):
 
     def __init__(self, tokens: np.ndarray, *, num_batches: int | None = None, **layout) -> None:
         super().__init__(tokens, **layout)
-        available = (len(tokens) - 1) // (self.seq_len * self.global_batch)
+        available = val_batches_available(len(tokens), self.seq_len, self.global_batch)
         if available == 0 or (num_batches is not None and not 0 < num_batches <= available):
             raise ValueError(
                 f"the validation split ({len(tokens)} tokens) holds {available} batches of "

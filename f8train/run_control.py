@@ -57,7 +57,14 @@ def acquire_lock(out: Path) -> str | None:
             return None
         except FileExistsError:
             owner = _owner(path)
-        if owner.get("host") != me["host"] or _pid_runs(int(owner.get("pid", -1))):
+        if not isinstance(owner, dict) or not {"host", "pid", "started"} <= owner.keys():
+            return (
+                f"--out {out}: the lock file {path} is empty or unreadable, so the job that "
+                "made it cannot be told: one that is starting now writes it within a "
+                "moment, one killed while writing it left it so. If no job is using "
+                f"--out {out}, delete {path} and rerun."
+            )
+        if owner["host"] != me["host"] or _pid_runs(int(owner["pid"])):
             return (
                 f"--out {out} is in use by another job ({_owner_text(owner)}; lock file "
                 f"{path}). Two jobs in one --out would overwrite each other's checkpoints "

@@ -16,19 +16,27 @@ from pathlib import Path
 
 import torch
 
-from f8train.data import default_cache_dir
+from f8train.data import (
+    corpus_tokens,
+    default_cache_dir,
+    min_corpus_tokens,
+    not_regular,
+    val_batches_available,
+    val_tokens,
+)
 from f8train.float8_flags import RECIPES, SCALINGS, flag_problems
-from f8train.model import PRESETS
+from f8train.model import PRESETS, build_args
 
 
 def number(kind: type, low: float, high: float = math.inf, *, strict: bool = False) -> Callable:
     """An argparse type: a finite ``kind`` (int or float) in [low, high] (``strict``: in
     (low, high)); its error message names the range."""
     word = "an integer" if kind is int else "a number"
+    lo, hi = (str(low), str(high)) if kind is int else (f"{low:g}", f"{high:g}")
     if math.isinf(high):
-        bound = f"{'>' if strict else '>='} {low:g}"
+        bound = f"{'>' if strict else '>='} {lo}"
     else:
-        bound = f"in ({low:g}, {high:g})" if strict else f">= {low:g} and <= {high:g}"
+        bound = f"in ({lo}, {hi})" if strict else f">= {lo} and <= {hi}"
 
     def parse(text: str):
         try:
@@ -44,7 +52,9 @@ def number(kind: type, low: float, high: float = math.inf, *, strict: bool = Fal
 
 
 DEFAULT_DELAYED_HISTORY = 16
+_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of")
 POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
+SEED = number(int, 0, 2**64 - 1)  # what torch.manual_seed takes
 POS_FLOAT, NONNEG_FLOAT = number(float, 0, strict=True), number(float, 0)
 FRACTION = number(float, 0, 1, strict=True)
 FLAG, BOOL, HIDDEN = "store_true", argparse.BooleanOptionalAction, argparse.SUPPRESS
@@ -89,7 +99,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--min-lr-ratio", number(float, 0, 1), 0.1, "cosine decays to lr * this"),
         ("--weight-decay", NONNEG_FLOAT, 0.1, None),
         ("--grad-clip", NONNEG_FLOAT, 1.0, "max grad norm; 0: no clipping"),
-        ("--seed", NONNEG_INT, 0, None),
+        ("--seed", SEED, 0, None),
     ],
     "run, logging, checkpoints": [
         ("--out", None, "runs/train", "metrics, summary and checkpoints"),
@@ -147,7 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
+    if (problem := shape_problem(args)) is not None:  # the other checks build the model
+        parser.error(problem)
     problems = flag_problems(args) + _run_problems(args)
+    if (problem := data_problem(args)) is not None:
+        problems.append(f"argument --data: {problem}")
     if (problem := tp_problem(args)) is not None:
         problems.append(f"argument --tp: {problem}")
     if (problem := out_problem(args.out)) is not None:
@@ -179,12 +193,55 @@ def _run_problems(args: argparse.Namespace) -> list[str]:
             f"--cache-dir {args.cache_dir} holds the token cache of a folder or of the stdlib "
             f"corpus, but --data {args.data} is one file, read in place; drop --cache-dir"
         )
+    if args.warmup is not None and args.warmup >= args.steps:
+        problems.append(
+            f"argument --warmup: --warmup {args.warmup} is not below --steps {args.steps}, so "
+            f"the learning rate never reaches --lr {args.lr:g}; use a --warmup below --steps, "
+            "or drop it (default: steps // 10)"
+        )
     if args.stop_at_step is not None and args.stop_at_step >= args.steps:
         problems.append(
             f"--stop-at-step {args.stop_at_step} is not before --steps {args.steps}, so the "
             "run ends first; use a step below --steps, or drop it"
         )
     return problems
+
+
+def shape_problem(args: argparse.Namespace) -> str | None:
+    """Why the model shape flags cannot build a model (None: they can), under the flags
+    given."""
+    try:
+        build_args(args)
+    except ValueError as err:
+        flags = [f"--{k.replace('_', '-')}" for k in _SHAPE if getattr(args, k) is not None]
+        return f"argument {' / '.join(flags) or '--preset'}: {err}"
+    return None
+
+
+def data_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--data`` cannot train with these flags (None: it can), from the file sizes:
+    a path that is not a regular file or folder, or a validation split too small for
+    ``--val-batches`` batches of ``--global-batch`` x ``--seq-len``."""
+    if args.data is not None and (problem := not_regular(Path(args.data))) is not None:
+        return problem
+    n = corpus_tokens(args.data, args.token_dtype)
+    if n is None:
+        return None
+    shape = dict(seq_len=args.seq_len, global_batch=args.global_batch)
+    need = min_corpus_tokens(val_fraction=args.val_fraction, val_batches=args.val_batches, **shape)
+    if n >= need:
+        return None
+    val = val_tokens(n, args.val_fraction)
+    name = "the stdlib corpus" if args.data is None else args.data
+    return (
+        f"{name} holds {n:,} tokens: its validation split (--val-fraction "
+        f"{args.val_fraction:g}) is {val:,} tokens, {val_batches_available(val, **shape)} "
+        f"batches of --global-batch {args.global_batch} x (--seq-len {args.seq_len} + 1) "
+        f"tokens, but --val-batches {args.val_batches} were asked for (and the training split "
+        f"needs {args.seq_len + 1} tokens). With these flags the corpus needs at least "
+        f"{need:,} tokens (bytes of text); or raise --val-fraction, or lower --val-batches, "
+        "--global-batch or --seq-len"
+    )
 
 
 def tp_problem(args: argparse.Namespace) -> str | None:

@@ -23,7 +23,10 @@ from f8train.train_args import parse_args
         (["--lr", "0"], "argument --lr: expected a number > 0, got '0'"),
         (["--lr", "nan"], "argument --lr: expected a number > 0, got 'nan'"),
         (["--min-lr-ratio", "1.5"], "argument --min-lr-ratio: expected a number >= 0 and <= 1"),
-        (["--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+        (
+            ["--seed", "-1"],
+            f"argument --seed: expected an integer >= 0 and <= {2**64 - 1}, got '-1'",
+        ),
         (["--delayed-history", "0"], "argument --delayed-history: expected an integer >= 1"),
         (["--pg-timeout-s", "-3"], "argument --pg-timeout-s: expected a number > 0, got '-3'"),
         (["--val-fraction", "1"], "argument --val-fraction: expected a number in (0, 1), got '1'"),
@@ -54,14 +57,15 @@ def test_token_ids_beyond_the_vocabulary_are_refused_when_loading(tmp_path: Path
     tokens = np.arange(4000, dtype=np.uint16) % 250
     tokens[3000] = 300  # the tiny preset's vocabulary is 256
     tokens.tofile(path)
+    small = ["--val-fraction", "0.25", "--global-batch", "2", "--seq-len", "16"]
     with pytest.raises(SystemExit) as err:
-        load_data(parse_args(["--data", str(path), "--out", str(tmp_path / "run")]))
+        load_data(parse_args(["--data", str(path), *small, "--out", str(tmp_path / "run")]))
     message = str(err.value)
     assert f"tokens {path}: token id 300 is outside the model's vocabulary of 256" in message
     assert "ids 0..255" in message and "at token 3,000" in message and "--preset" in message
     tokens[3000] = 255
     tokens.tofile(path)
-    assert load_data(parse_args(["--data", str(path)])).vocab_size is None  # in range: fine
+    assert load_data(parse_args(["--data", str(path), *small])).vocab_size is None  # in range: fine
 
 
 def _settings(*argv: str) -> dict:
