@@ -7,6 +7,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.float8._absent import TRAINING_TENSOR, module_getattr
 
 
 def tensor_already_casted_to_fp8(tensor: torch.Tensor) -> bool:
@@ -18,5 +19,7 @@ def tensor_already_casted_to_fp8(tensor: torch.Tensor) -> bool:
         return tensor_already_casted_to_fp8(tensor.elem)
     return isinstance(tensor, Float8Tensor)
 
+
+__getattr__ = module_getattr(__name__, {"Float8TrainingTensor": TRAINING_TENSOR})
 
 __all__ = ["tensor_already_casted_to_fp8"]

@@ -7,8 +7,10 @@ import torch
 from fsdp_float8.core.config import ScalingGranularity
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Operand
-from fsdp_float8.float8._absent import INTERNAL, module_getattr
+from fsdp_float8.float8._absent import INTERNAL, TRAINING_TENSOR, module_getattr
+from fsdp_float8.float8.distributed_utils import tensor_already_casted_to_fp8
 from fsdp_float8.float8.float8_training_tensor import (
+    GemmInputRole,
     LinearMMConfig,
     hp_tensor_and_scale_to_float8,
 )
@@ -20,7 +22,7 @@ def hp_tensor_to_float8_dynamic(
     float8_dtype: torch.dtype,
     linear_mm_config: LinearMMConfig | None,
     reduce_amax: bool = False,
-    gemm_input_role: Operand = Operand.INPUT,
+    gemm_input_role: Operand = GemmInputRole.INPUT,
     device_mesh=None,
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
     axiswise_dim: int | None = None,
@@ -48,6 +50,17 @@ def get_maybe_axiswise_dim(
     return axiswise_dim if scaling_granularity is ScalingGranularity.AXISWISE else None
 
 
-__getattr__ = module_getattr(__name__, {"NoopFwToFloat8BwDynamic": INTERNAL})
+__getattr__ = module_getattr(
+    __name__, {"NoopFwToFloat8BwDynamic": INTERNAL, "Float8TrainingTensor": TRAINING_TENSOR}
+)
 
-__all__ = ["get_maybe_axiswise_dim", "hp_tensor_to_float8_dynamic"]
+__all__ = [
+    "GemmInputRole",
+    "LinearMMConfig",
+    "ScalingGranularity",
+    "get_maybe_axiswise_dim",
+    "hp_tensor_and_scale_to_float8",
+    "hp_tensor_to_float8_dynamic",
+    "tensor_already_casted_to_fp8",
+    "tensor_to_scale",
+]

@@ -17,6 +17,7 @@ import torch
 from fsdp_float8.core.float8_tensor import Float8Tensor, hp_to_float8
 from fsdp_float8.core.gemms import Operand
 from fsdp_float8.float8._absent import TRAINING_TENSOR, module_getattr
+from fsdp_float8.float8.float8_utils import to_fp8_saturated
 
 GemmInputRole = Operand
 
@@ -86,4 +87,5 @@ __all__ = [
     "ScaledMMConfig",
     "choose_scaled_mm_config",
     "hp_tensor_and_scale_to_float8",
+    "to_fp8_saturated",
 ]

@@ -135,6 +135,7 @@ def pad_tensor_for_matmul(tensor: torch.Tensor, dims: int | Iterable[int]) -> to
 
 __all__ = [
     "EPS",
+    "ScalingGranularity",
     "FP8_TYPES",
     "IS_ROCM",
     "amax_to_scale",

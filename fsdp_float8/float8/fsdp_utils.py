@@ -6,6 +6,7 @@ dynamically scaled tensorwise layer with `enable_fsdp_float8_all_gather=True` ho
 checkpoint that pickled torchao's class loads without torchao: see `checkpoint`.
 """
 
+from fsdp_float8.float8._absent import TRAINING_TENSOR, module_getattr
 from fsdp_float8.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from fsdp_float8.float8.float8_training_tensor import (
     GemmInputRole,
@@ -17,6 +18,8 @@ from fsdp_float8.fsdp.step import precompute_float8_dynamic_scale_for_fsdp
 from fsdp_float8.fsdp.weight_wrappers.dynamic import (
     DynamicFloat8Weight as WeightWithDynamicFloat8CastTensor,
 )
+
+__getattr__ = module_getattr(__name__, {"Float8TrainingTensor": TRAINING_TENSOR})
 
 __all__ = [
     "EPS",
