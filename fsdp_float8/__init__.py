@@ -81,6 +81,9 @@ torch.serialization.add_safe_globals(
     ]
 )
 
+# torchao.float8 checkpoints (its float8 weight class pickled inside) load without torchao
+import fsdp_float8.float8.checkpoint  # noqa: E402,F401  (registers stand-ins for its classes)
+
 # name -> module of the optional features imported on first use (module __getattr__)
 _LAZY = {
     "Float8ReduceScatter": "fsdp_float8.fsdp.reduce_scatter",
