@@ -18,7 +18,6 @@ from torch.nn import functional as F
 
 from fsdp_float8.core.config import E4M3, E5M2, ScalingGranularity
 from fsdp_float8.core.scaling import (
-    EPS,
     axis_amax,
     float8_max,
     scale_from_amax,
@@ -26,6 +25,10 @@ from fsdp_float8.core.scaling import (
 )
 
 FP8_TYPES = {E4M3, E5M2}
+# torchao's amax floor, kept as a name; fsdp_float8 floors an amax at fp8_max / MAX_SCALE
+# instead (far below 1e-12), so amaxes of 1e-12 and above give torchao's scales exactly
+# and smaller ones keep their float8 precision instead of being capped.
+EPS = 1e-12
 IS_ROCM = False  # fsdp_float8 casts to the e4m3fn / e5m2 pair on every device
 
 
@@ -41,7 +44,7 @@ def _check_dtype(float8_dtype: torch.dtype) -> None:
 def _amax_to_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, round_scales_to_power_of_2: bool = False
 ) -> torch.Tensor:
-    """fp8_max / max(amax, EPS), divided in float64, as float32 (optionally rounded down to
+    """fp8_max / max(amax, fp8_max / MAX_SCALE), divided in float64, as float32 (optionally rounded down to
     a power of two): the scale path of `fsdp_float8.core.scaling` without a reduction."""
     _check_dtype(float8_dtype)
     return scale_from_amax(amax, float8_dtype, power_of_2=round_scales_to_power_of_2)
