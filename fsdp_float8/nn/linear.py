@@ -270,9 +270,9 @@ class Float8Linear(nn.Linear):
         """torchao's: `..., cast_configs=i:dyn_ten_e4m3,w:dyn_ten_e4m3,go:dyn_ten_e5m2`,
         then i_gw / w_gi / go_gw for a second use cast otherwise (see `_short`)."""
         c = self.config
-        firsts = [f"{_WORD[op]}:{_short(c.cast(op, PRIMARY_GEMM[op]))}" for op in OPERANDS]
+        firsts = [f"{_OPERAND_WORD[op]}:{_short(c.cast(op, PRIMARY_GEMM[op]))}" for op in OPERANDS]
         seconds = [
-            f"{_WORD[op]}_{_WORD[SECOND_GEMM[op]]}:{_short(c.cast(op, SECOND_GEMM[op]))}"
+            f"{_OPERAND_WORD[op]}_{_GEMM_WORD[SECOND_GEMM[op]]}:{_short(c.cast(op, SECOND_GEMM[op]))}"
             for op in OPERANDS
             if c.cast(op, SECOND_GEMM[op]) != c.cast(op, PRIMARY_GEMM[op])
         ]
@@ -281,13 +281,8 @@ class Float8Linear(nn.Linear):
 
 
 # the short names of torchao's repr: operands i, w, go; second GEMMs gw, gi
-_WORD = {
-    Operand.INPUT: "i",
-    Operand.WEIGHT: "w",
-    Operand.GRAD_OUTPUT: "go",
-    Gemm.GRAD_WEIGHT: "gw",
-    Gemm.GRAD_INPUT: "gi",
-}
+_OPERAND_WORD = {Operand.INPUT: "i", Operand.WEIGHT: "w", Operand.GRAD_OUTPUT: "go"}
+_GEMM_WORD = {Gemm.GRAD_WEIGHT: "gw", Gemm.GRAD_INPUT: "gi"}
 
 
 def _local_parameters(module: Float8Linear, x: torch.Tensor):
