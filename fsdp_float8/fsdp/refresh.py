@@ -10,10 +10,11 @@ zeros too), never on rank-local state. One collective per reduction group:
   (`DelayedScalingState.apply_reduced`). A MAX over ranks of `ran` and `-ran` tells on the
   device whether the layer ran everywhere (roll), nowhere (keep), or on some ranks only (an
   error on every rank, not a hang).
-A refresh that is not the steady one after an optimizer step (the first of a group, one
-before a forward, an explicit call) is preceded by the store handshake of `rank_agreement`
-(the first one also compares the config fingerprints): a rank that is missing or converted
-differently gets an error, not an abort. A group with nothing to reduce issues no collective.
+A refresh that issues a collective is preceded by the store handshake of `rank_agreement`
+(the first one of a group also compares the config fingerprints): a rank that is missing
+(it skipped the optimizer step, never converted, ...) or converted differently gets an
+error, not an abort. A group with nothing to reduce issues no collective and has no
+handshake after its first refresh.
 
 What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 """
@@ -138,8 +139,8 @@ def refresh_units(
 ) -> tuple[int, int]:
     """Refresh every dynamic weight of the units and sync the delayed layers whose state's
     id is in `delayed_due`: one collective per reduction group. `handshake_at` (what the
-    refresh is, for errors) asks for the store handshake first; the first refresh of a
-    group always has one. Returns (weights, delayed operands)."""
+    refresh is, for errors) asks for the store handshake before each collective; the
+    first refresh of a group always has one. Returns (weights, delayed operands)."""
     counts = [0, 0]
     for group, members in grouped.items():
         n_weights, n_delayed = _refresh_group(members, group, delayed_due, handshake_at)
@@ -149,14 +150,8 @@ def refresh_units(
 
 
 def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: str | None):
-    pg = group_of(group)
-    if pg is not None and dist.get_world_size(pg) > 1:
-        check = not all(u.module in _checked for u in units if u.float8)
-        if check or at:
-            head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
-            handshake(pg, head, at or "first refresh of the float8 step")
-            _checked.update(u.module for u in units if u.float8)
     columns, weights, states = _slot_columns(units, delayed_due)
+    _agree(units, group, at if (weights or states) else None)
     if not (weights or states):  # nothing to reduce (e.g. rowwise)
         return 0, 0
     reduced = all_reduce_amax_(torch.cat([*columns, -columns[len(_SLOTS)]]), group)
@@ -166,6 +161,19 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
         w.set_precomputed_scale(scale_from_amax(table[0, i], w.float8_dtype, power_of_2=pow2))
     _apply_delayed(units, states, table)
     return len(weights), sum(len(s.operands) for i in states if (s := units[i].delayed()))
+
+
+def _agree(units: list[Unit], group: Group, at: str | None) -> None:
+    """The store handshake before a refresh collective (`at` names the refresh), and the
+    config check at a group's first refresh."""
+    pg = group_of(group)
+    if pg is None or dist.get_world_size(pg) == 1:
+        return
+    check = not all(u.module in _checked for u in units if u.float8)
+    if check or at:
+        head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
+        handshake(pg, head, at or "first refresh of the float8 step")
+        _checked.update(u.module for u in units if u.float8)
 
 
 def _slot_columns(units: list[Unit], delayed_due: set[int]):
