@@ -207,7 +207,14 @@ def _apply_delayed(units: list[Unit], states: list[int], table: torch.Tensor) ->
         _check_ran_everywhere([u.layer for u in units], ran_max != ran_min)
 
 
-_pending_checks: list[tuple[torch.Event, torch.Tensor, list[str]]] = []  # (event, flags, names)
+# rank -> its (event, flags, names) not read yet: per rank, so ranks that share a process
+# (torch's threaded test process group) each read their own
+_pending_checks: dict[int, list[tuple[torch.Event, torch.Tensor, list[str]]]] = {}
+
+
+def _pending() -> list[tuple[torch.Event, torch.Tensor, list[str]]]:
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    return _pending_checks.setdefault(rank, [])
 
 
 def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
@@ -221,12 +228,13 @@ def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
     host.copy_(mixed, non_blocking=True)
     event = torch.Event(mixed.device)
     event.record()
-    _pending_checks.append((event, host, names))
+    _pending().append((event, host, names))
 
 
 def read_pending_checks() -> None:
-    while _pending_checks and _pending_checks[0][0].query():
-        _, host, names = _pending_checks.pop(0)
+    pending = _pending()
+    while pending and pending[0][0].query():
+        _, host, names = pending.pop(0)
         _raise_if_mixed(names, host.tolist())
 
 

@@ -4,8 +4,10 @@ multi_threaded_pg`, which torch's and torchao's `FSDPTestMultiThread` tests use)
 
 Run as `python -m tests.distributed.threaded_pg_case`: each thread-rank converts, shards and
 trains the same LinearStack on the same batches for 3 steps (optimizer step, then torchao's
-explicit precompute), and one process-local model trains alike as the reference. Prints one
-JSON line: the losses of each rank and of the reference. `test_threaded_pg.py` runs it in a
+explicit precompute), and one process-local model trains alike as the reference; then a
+deferred check queued by rank 1 must be read by rank 1, not rank 0. Prints one JSON line:
+the losses of each rank and of the reference, and what each rank's read of the deferred
+checks did. `test_threaded_pg.py` runs it in a
 subprocess under a timeout, so a rank that waits forever fails the test instead of hanging
 pytest.
 """
@@ -25,6 +27,7 @@ from fsdp_float8 import (
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
 )
+from fsdp_float8.fsdp import refresh
 from tests.distributed.float8_cases import Case, batch, build_model, loss_of, shard
 
 CASE = Case(model="mlp", n_layers=1, dim=32, steps=3)
@@ -51,11 +54,35 @@ def rank_main(rank: int, store: dist.Store, out: dict) -> None:
         model = convert_to_float8_training(build_model(CASE), config=CONFIG)
         mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,))
         out[rank] = train(shard(model, CASE, mesh))
+        out[f"pending {rank}"] = deferred_check_stays_with_its_rank(rank)
     except BaseException as e:  # reported in the JSON line
         out[rank] = f"{type(e).__name__}: {e}"
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Landed:
+    """A device event that has completed (what `read_pending_checks` polls)."""
+
+    def query(self) -> bool:
+        return True
+
+
+def deferred_check_stays_with_its_rank(rank: int) -> str:
+    """Rank 1 queues a deferred "ran on some ranks only" check, as an accelerator refresh
+    does; rank 0 reads its own checks first, then rank 1: only rank 1 may raise."""
+    if rank == 1:
+        refresh._pending().append((_Landed(), torch.tensor([True]), ["blocks.0"]))
+    said = "nothing"
+    for turn in range(WORLD):
+        dist.barrier()
+        if turn == rank:
+            try:
+                refresh.read_pending_checks()
+            except ValueError:
+                said = "raised"
+    return said
 
 
 def main() -> None:
