@@ -150,10 +150,11 @@ def refresh_units(
 
 
 def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: str | None):
-    columns, weights, states = _slot_columns(units, delayed_due)
-    _agree(units, group, at if (weights or states) else None)
-    if not (weights or states):  # nothing to reduce (e.g. rowwise)
+    work = any(u.dynamic_weight() is not None or id(u.delayed()) in delayed_due for u in units)
+    _agree(units, group, at if work else None)
+    if not work:  # nothing to reduce (e.g. rowwise)
         return 0, 0
+    columns, weights, states = _slot_columns(units, delayed_due)
     reduced = all_reduce_amax_(torch.cat([*columns, -columns[len(_SLOTS)]]), group)
     table = reduced.view(len(_SLOTS) + 2, len(units))
     for i, w in weights:  # reduced above: the scale path without a group
