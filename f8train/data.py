@@ -301,8 +301,11 @@ class _Layout:
 class TokenBatcher(_Layout):
     """Iterator of ``(inputs, targets)``, each ``(local_batch, seq_len)`` int64 on the CPU."""
 
-    def __init__(self, tokens: np.ndarray, *, seed: int = 0, **layout) -> None:
+    def __init__(
+        self, tokens: np.ndarray, *, seed: int = 0, batch_change: bool = False, **layout
+    ) -> None:
         super().__init__(tokens, **layout)
+        self.batch_change = batch_change  # a loaded state may hold another global_batch
         if len(tokens) < self.seq_len + 1:
             raise ValueError(
                 f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = "
@@ -327,8 +330,10 @@ class TokenBatcher(_Layout):
         return {key: getattr(self, key) for key in ("step", "seed", "seq_len", "global_batch")}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state["step"]``; the batch layout must match (world size may differ)."""
-        for key in ("seed", "seq_len", "global_batch"):
+        """Resume at ``state["step"]``; the batch layout must match (world size may differ;
+        ``global_batch`` too with ``batch_change``)."""
+        keys = ("seed", "seq_len") if self.batch_change else ("seed", "seq_len", "global_batch")
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"batcher state has {key}={state[key]} but this batcher has "

@@ -37,7 +37,7 @@ from f8train.rank_exit import enable_crash_traces, exit_rank
 from f8train.resume import checkpoint_settings, find_resume
 from f8train.run_control import GracefulStop, acquire_lock, fault_hooks, release_lock
 from f8train.sharded_model import build_model, build_optimizer, build_scheduler, conversion_counts
-from f8train.train_args import parse_args
+from f8train.train_args import batch_split_problem, parse_args
 from fsdp_float8 import Float8LinearConfig, Float8Telemetry, float8_step
 from fsdp_float8 import sync_float8_amax_and_scale_history as sync_float8
 from fsdp_float8.tools.comm_stats import CollectiveCounter
@@ -56,7 +56,9 @@ class Trainer:
         # the ranks of a tensor-parallel group read the same batch: split over dp only
         layout = dict(seq_len=args.seq_len, global_batch=args.global_batch)
         layout |= dict(rank=d.rank // d.tp, world_size=d.world_size // d.tp)
-        self.batcher = TokenBatcher(self.data.train, **layout, seed=args.seed)
+        self.batcher = TokenBatcher(
+            self.data.train, **layout, seed=args.seed, batch_change=args.allow_batch_change
+        )
         self.val = ValidationBatches(self.data.val, **layout, num_batches=args.val_batches)
         self.ckpt = ck.Checkpointer(
             self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main
@@ -96,7 +98,7 @@ class Trainer:
         step = self.progress_state.step
         self.say(f"resumed from {point.path} at step {step} (world size {self.d.world_size})")
         for change in point.changed:
-            self.say(f"  changed on resume (--allow-recipe-change): {change}")
+            self.say(f"  changed on resume: {change}")
         return step
 
     def header(self, start_step: int) -> None:
@@ -290,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         ck.Checkpointer(Path(args.out) / "checkpoints", keep=1, is_main=False).complete()
     )
     problem = block_all_gather_problem(args, config, shards, resuming=resuming)
+    problem = problem or batch_split_problem(
+        args.global_batch, max(1, world // args.tp), resuming=resuming
+    )
     if problem is not None:  # every rank decides alike, before any process group
         raise SystemExit(problem)
     d = pg.init_distributed(args)

@@ -112,6 +112,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--keep-ckpts", POS_INT, 2, "newest checkpoints kept"),
         ("--resume", "?", None, "CKPT, or the latest checkpoint in --out", "CKPT"),
         ("--allow-recipe-change", FLAG, False, "resume with another --recipe (not delayed)"),
+        ("--allow-batch-change", FLAG, False, "resume with another --global-batch"),
         # long enough for a checkpoint save or a first compiled step on a slow rank, short
         # enough that a hung job ends well before torch's default 30 minutes
         ("--pg-timeout-s", POS_FLOAT, 300.0, "end a collective waiting this long"),
@@ -277,3 +278,25 @@ def out_problem(out: str) -> str | None:
         if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
             return f"no permission to write in {folder}"
     return None
+
+
+def batch_split_problem(global_batch: int, data_parallel: int, *, resuming: bool) -> str | None:
+    """Why ``--global-batch`` cannot be split evenly over the data-parallel ranks (every rank
+    reads the same number of rows), with the nearest batches that can; on a resume, also how
+    to continue a run saved on another world size."""
+    if global_batch % data_parallel == 0:
+        return None
+    lower = global_batch // data_parallel * data_parallel
+    near = " or ".join(str(n) for n in (lower, lower + data_parallel) if n > 0)
+    text = (
+        f"--global-batch {global_batch} is not divisible by the {data_parallel} data-parallel "
+        f"ranks (world size / --tp / ...): choose a multiple of {data_parallel}, e.g. {near}"
+    )
+    if resuming:
+        text += (
+            ", and add --allow-batch-change to resume a checkpoint saved with another "
+            "--global-batch (from the resumed step on, each step draws the new number of "
+            "sequences; the step count, learning-rate schedule and token count carry on), or "
+            "resume on a world size that divides the saved --global-batch"
+        )
+    return text

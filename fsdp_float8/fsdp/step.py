@@ -234,7 +234,7 @@ def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
     )
     if not (stale or due or _refresh.needs_check(grouped)):
         return 0, 0
-    counts = _refresh.refresh_units(grouped, due, None if mode == _AUTO else f"refresh ({mode})")
+    counts = _refresh.refresh_units(grouped, due, f"refresh ({mode})")
     for step in steps:
         if any(id(u.delayed()) in due for u, _ in step._units() if u.delayed() is not None):
             step._synced_epoch = step._epoch
