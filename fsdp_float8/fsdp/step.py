@@ -44,6 +44,7 @@ from torch.optim.optimizer import (
 
 from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.fsdp import refresh as _refresh
+from fsdp_float8.fsdp.delayed_state import is_training_forward
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, mesh_of, units_of
 from fsdp_float8.fsdp.weight_wrappers import replaced_parameter
 from fsdp_float8.fsdp.weight_wrappers.base import BEFORE_ALL_GATHER
@@ -312,8 +313,8 @@ def _before_forward_eager(module: nn.Module) -> None:
     if hooks[first] is not _before_forward:  # fully_shard prepended its root hook: go first
         key = next(k for k, h in hooks.items() if h is _before_forward)
         cast(OrderedDict, hooks).move_to_end(key, last=False)
-    if not (module.training and torch.is_grad_enabled()):
-        return  # an evaluation forward never starts a collective
+    if not is_training_forward(module):
+        return  # an evaluation forward (or pipelining's shape inference) starts no collective
     step = _STEP_OF.get(module) or float8_step(module)  # a deep copy has no step yet
     if not step._enabled:
         return
