@@ -61,13 +61,14 @@ def argument_time() -> Iterator[None]:
         with contextlib.redirect_stderr(err), quiet:
             yield
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        text = err.getvalue() + ("" if isinstance(stop.code, int | None) else f"{stop.code}\n")
-        if code != 0 and rank != 0:
+        said = isinstance(stop.code, int) or stop.code is None  # else SystemExit(message)
+        code = (stop.code or 0) if said else 1
+        text = err.getvalue() + ("" if said else f"{stop.code}\n")
+        if rank != 0:
+            if code == 0:  # --help: rank 0 printed it
+                raise SystemExit(0) from None
             time.sleep(PEER_WAIT_S)  # torchrun ends this rank once rank 0 has failed
             text = f"rank {rank}: {text}"
-        if code == 0 and rank != 0:
-            raise SystemExit(0) from None
         sys.stderr.write(text)
         if code != 0:
             _error_file(text)
