@@ -153,3 +153,13 @@ def test_compare_runs_on_a_missing_folder_is_an_error_naming_it(tmp_path: Path) 
         assert result.returncode == 2, result
         assert f"--runs {bad}: {why}" in result.stderr, result.stderr
         assert "| -" not in result.stdout
+
+
+def test_trainer_doc_states_the_smallest_corpus_the_checks_accept() -> None:
+    """docs/trainer.md's minimum corpus sizes are the ones the argument check computes."""
+    text = " ".join((REPO / "docs" / "trainer.md").read_text().split())
+    shape = dict(seq_len=128, global_batch=16)  # the defaults
+    at_defaults = corpus.min_corpus_tokens(val_fraction=0.01, val_batches=4, **shape)
+    small = corpus.min_corpus_tokens(val_fraction=0.1, val_batches=1, **shape)
+    assert f"a corpus needs {at_defaults:,} tokens" in text
+    assert f"`--val-fraction 0.1 --val-batches 1`, {small:,})" in text
