@@ -36,6 +36,7 @@ class TokenData:
     val_start: int
     source: str
     vocab_size: int | None  # 256 for byte-level sources; None when pre-tokenized
+    cache: Path | None = None  # the token cache built from a folder or the stdlib
 
     @property
     def train(self) -> np.ndarray:
@@ -46,8 +47,17 @@ class TokenData:
         return self.tokens[self.val_start :]
 
 
+CACHE_ENV = "FSDP_FLOAT8_CACHE_DIR"
+
+
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "fsdp_float8"
+    """Where a folder's or the stdlib's token cache goes without ``--cache-dir``:
+    ``$FSDP_FLOAT8_CACHE_DIR``, else ``$XDG_CACHE_HOME/fsdp_float8``, else
+    ``~/.cache/fsdp_float8``."""
+    if mine := os.environ.get(CACHE_ENV):
+        return Path(mine)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fsdp_float8"
 
 
 @functools.cache
@@ -245,7 +255,9 @@ def load_tokens(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tokens, source, vocab = _load_source(None if data is None else Path(data), cache, token_dtype)
     val_start = len(tokens) - val_tokens(len(tokens), val_fraction)
-    return TokenData(tokens, val_start, source, vocab)
+    cached = data is None or Path(data).is_dir()  # else the file itself, read in place
+    built = Path(tokens.filename) if cached and isinstance(tokens, np.memmap) else None
+    return TokenData(tokens, val_start, source, vocab, built)
 
 
 def check_token_ids(data: TokenData, vocab_size: int) -> None:

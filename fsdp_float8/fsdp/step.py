@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -62,15 +63,22 @@ class StepPlan:
     float8_layers: tuple[str, ...]  # float8 linear layers and experts modules
     precomputed_weights: tuple[str, ...]  # weights whose all-gather scale is precomputed
     delayed_layers: tuple[str, ...]  # layers whose delayed-scaling state is synced
-    collectives_per_step: int  # refresh collectives per steady training step
+    # refresh collectives per steady training step; None before `fully_shard` in a
+    # distributed run (float8-gathered weights not sharded yet: their groups are unknown)
+    collectives_per_step: int | None
 
     def __str__(self) -> str:
         state = "on" if self.enabled else "off (explicit calls only)"
+        n = self.collectives_per_step
+        count = (
+            f"{n} collective(s) per optimizer step"
+            if n is not None
+            else "collectives per optimizer step known after fully_shard (no weight is sharded yet)"
+        )
         return (
             f"float8 step {state}: {len(self.float8_layers)} float8 layers, "
             f"{len(self.precomputed_weights)} precomputed weight scales, "
-            f"{len(self.delayed_layers)} delayed-scaling layers; "
-            f"{self.collectives_per_step} collective(s) per optimizer step"
+            f"{len(self.delayed_layers)} delayed-scaling layers; {count}"
         )
 
 
@@ -114,8 +122,9 @@ class Float8Step:
         return self
 
     def describe(self) -> StepPlan:
-        """The layers, weights and collectives of this step, as the model is now (after
-        `fully_shard`, the meshes are known)."""
+        """The layers, weights and collectives of this step, as the model is now. The
+        collectives are known after `fully_shard` (the meshes); before it, in a run of
+        several ranks with float8-gathered weights, `collectives_per_step` is None."""
         units = self._units()
         grouped = grouped_units(units)
         layers = dict.fromkeys(u.layer for u, _ in units if u.float8)
@@ -125,7 +134,9 @@ class Float8Step:
             float8_layers=tuple(layers),
             precomputed_weights=tuple(u.fqn for u, _ in units if u.dynamic_weight() is not None),
             delayed_layers=tuple(delayed),
-            collectives_per_step=_refresh.collectives(grouped),
+            collectives_per_step=None
+            if _awaits_sharding(grouped)
+            else _refresh.collectives(grouped),
         )
 
     def _units(self) -> list[tuple[Unit, Group]]:
@@ -139,6 +150,16 @@ class Float8Step:
 
     def __repr__(self) -> str:
         return f"Float8Step({self.describe()})"
+
+
+def _awaits_sharding(grouped: dict[Group, list[Unit]]) -> bool:
+    """Several ranks, and float8-gathered weights in no reduction group yet (not sharded)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(
+        group_of(g) is None and any(u.dynamic_weight() is not None for u in us)
+        for g, us in grouped.items()
+    )
 
 
 class _Marker:
