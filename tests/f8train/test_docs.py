@@ -186,6 +186,9 @@ def _readme_shell(line: str, cwd: Path, timeout: float) -> subprocess.CompletedP
 
 
 def _run_readme_block(tmp_path: Path, extra: tuple[str, ...], timeout: float) -> list[str]:
+    # tmp_path stands in for the repository root the README's commands run from (f8train is
+    # not installed): the package is linked in, and the runs' folders land there.
+    (tmp_path / "f8train").symlink_to(REPO / "f8train")
     outputs = []
     for line in _fenced_block_after("Run"):
         trains = " -m f8train.train" in line and "--help" not in line
