@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,14 +32,27 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, group_of
 from fsdp_float8.core.config import Operand
 from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
-from fsdp_float8.experts.modules import Float8ExpertsBase
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import fingerprint, handshake
-from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
-from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
+from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
 
 _SLOTS = (Operand.WEIGHT, Operand.INPUT, Operand.GRAD_OUTPUT)  # then ran, -ran
 _checked: weakref.WeakSet = weakref.WeakSet()  # modules whose ranks were found to agree
+
+
+class Float8Module(Protocol):
+    """What the float8 step asks a module, instead of checking its class (so `fsdp/` imports
+    neither `nn/` nor `experts/`): the names of its float8-cast weights (`Float8Linear`:
+    `("weight",)`; float8 experts: each 3-D weight). A float8 linear also holds its delayed
+    state as `delayed_scaling` (None without delayed scaling)."""
+
+    float8_weight_names: tuple[str, ...]
+
+
+def float8_weight_names(module: nn.Module) -> tuple[str, ...] | None:
+    """The module's float8-cast weights, or None for a module the float8 step only counts."""
+    return getattr(module, "float8_weight_names", None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,6 +62,7 @@ class Unit:
     fqn: str  # the parameter's name in the model, e.g. "layers.0.attention.wq.weight"
     module: nn.Module
     name: str
+    float8: bool = False  # a weight of a `Float8Module`
 
     @property
     def layer(self) -> str:
@@ -57,10 +72,6 @@ class Unit:
     @property
     def param(self) -> torch.Tensor:
         return getattr(self.module, self.name)
-
-    @property
-    def float8(self) -> bool:
-        return isinstance(self.module, (Float8Linear, Float8ExpertsBase))
 
     def dynamic_weight(self) -> DynamicFloat8Weight | None:
         """The wrapper of a dynamic tensorwise float8-gathered weight (a precomputed scale)."""
@@ -73,18 +84,20 @@ class Unit:
         return None
 
     def delayed(self) -> DelayedScalingState | None:
-        return self.module.delayed_scaling if isinstance(self.module, Float8Linear) else None
+        return getattr(self.module, "delayed_scaling", None) if self.float8 else None
 
 
 def units_of(model: nn.Module) -> list[Unit]:
-    """Every nn.Linear weight and float8 expert weight of `model`, in module order."""
+    """Every weight a `Float8Module` names and every other nn.Linear weight of `model`, in
+    module order."""
     units = []
     for fqn, m in model.named_modules():
         prefix = f"{fqn}." if fqn else ""
-        if isinstance(m, nn.Linear):
+        names = float8_weight_names(m)
+        if names is not None:
+            units += [Unit(prefix + n, m, n, float8=True) for n in names]
+        elif isinstance(m, nn.Linear):
             units.append(Unit(prefix + "weight", m, "weight"))
-        elif isinstance(m, Float8ExpertsBase):
-            units += [Unit(prefix + n, m, n) for n in m.weight_names]
     return units
 
 

@@ -45,8 +45,9 @@ from torch.optim.optimizer import (
 from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.fsdp import refresh as _refresh
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, mesh_of, units_of
-from fsdp_float8.fsdp.weight_wrappers import replaced_parameter
-from fsdp_float8.fsdp.weight_wrappers.base import BEFORE_ALL_GATHER
+from fsdp_float8.nn.convert import AFTER_CONVERSION
+from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER
+from fsdp_float8.weight_wrappers.wrap import replaced_parameter
 
 _AUTO, _FORWARD, _EXPLICIT = "after optimizer step", "before forward", "explicit call"
 _STEP_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root module -> step
@@ -331,6 +332,7 @@ def _before_all_gather(module: nn.Module) -> None:
 
 
 BEFORE_ALL_GATHER.append(_before_all_gather)
+AFTER_CONVERSION.append(float8_step)
 
 
 def _count_forward(step: Float8Step) -> None:
