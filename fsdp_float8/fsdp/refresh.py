@@ -21,6 +21,7 @@ What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,8 +125,9 @@ def group_for(unit: Unit, default: Group) -> Group:
     return w.device_mesh if isinstance(w, DTensor) else default
 
 
-def mesh_of(model: nn.Module) -> Group:
-    for p in model.parameters():
+def mesh_of(params: Iterable[torch.Tensor]) -> Group:
+    """The mesh of the first FSDP2 (DTensor) parameter, None when there is none."""
+    for p in params:
         if isinstance(p, DTensor):
             return p.device_mesh
     return None
@@ -174,11 +176,22 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
         return 0, 0
     reduced = all_reduce_amax_(torch.cat([*columns, -columns[len(_SLOTS)]]), group)
     table = reduced.view(len(_SLOTS) + 2, len(units))
-    for i, w in weights:  # reduced above: the scale path without a group
-        pow2 = w.strategy.power_of_2
-        w.set_precomputed_scale(scale_from_amax(table[0, i], w.float8_dtype, power_of_2=pow2))
+    _stamp_scales(weights, table[0])
     _apply_delayed(units, states, table)
     return len(weights), sum(len(s.operands) for i in states if (s := units[i].delayed()))
+
+
+def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.Tensor) -> None:
+    """Each weight's precomputed scale from its reduced amax (`amaxes[i]`): the scale path
+    without a group, once per (float8 dtype, power-of-two rule) over all its weights."""
+    by_rule: dict[tuple[torch.dtype, bool], list[tuple[int, DynamicFloat8Weight]]] = {}
+    for i, w in weights:
+        by_rule.setdefault((w.float8_dtype, w.weight_cast.power_of_2), []).append((i, w))
+    for (dtype, pow2), members in by_rule.items():
+        index = torch.tensor([i for i, _ in members], device=amaxes.device)
+        scales = scale_from_amax(amaxes[index], dtype, power_of_2=pow2)
+        for (_, w), scale in zip(members, scales.unbind(), strict=True):
+            w.set_precomputed_scale(scale)
 
 
 def _slot_columns(units: list[Unit], delayed_due: set[int]):

@@ -29,10 +29,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
-from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
+from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import cast_to_float8_data
+from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
+from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
+from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.gather import RowwiseGather, TensorwiseGather
 from fsdp_float8.weight_wrappers.state import WeightState, written_args
 
@@ -70,11 +71,23 @@ BEFORE_ALL_GATHER: list = []
 
 class Float8WeightWrapper(torch.Tensor):
     _tensor: torch.Tensor
-    _config: Float8LinearConfig
+    _cast: WeightCast  # resolved once from the config (see `cast`)
     _state: WeightState
+    # the module attribute that holds the weight (`wrap_weight` sets it: an expert module
+    # holds several): the pre-all-gather hook finds the sharded parameter by it
+    param_name: str = "weight"
+    # the dim a rowwise scale spans: the weight's last, the output GEMM's contraction dim
+    ROW_SCALE_DIM = CONTRACTION_DIM[(Gemm.OUTPUT, Operand.WEIGHT)]
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig, state=None):
+    def __new__(
+        cls,
+        tensor: torch.Tensor,
+        config: Float8LinearConfig,
+        state: WeightState | None = None,
+        *,
+        cast: WeightCast | None = None,
+    ):
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -86,7 +99,7 @@ class Float8WeightWrapper(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
         self._tensor = tensor
-        self._config = config
+        self._cast = cast if cast is not None else WeightCast.of(config)
         self._state = state if state is not None else WeightState()
         self._state.register(tensor)
         return self
@@ -149,7 +162,8 @@ class Float8WeightWrapper(torch.Tensor):
             state = self._state.copy_for(tensor)
         else:  # new storage, or values rounded to another dtype / moved to another device
             state = WeightState(blank=func is aten.new_zeros.default)
-        new = type(self)(tensor, self._config, state)
+        new = type(self)(tensor, self._config, state, cast=self._cast)
+        new.param_name = self.param_name
         self._copy_state_to(new)
         return new
 
@@ -177,19 +191,28 @@ class Float8WeightWrapper(torch.Tensor):
 
     # -- FSDP2 hooks ------------------------------------------------------------------
     @property
-    def float8_dtype(self) -> torch.dtype:
-        return self._config.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT)
+    def weight_cast(self) -> WeightCast:
+        """The weight's all-gather cast, resolved once (what the hooks read)."""
+        return self._cast
 
     @property
-    def strategy(self):
+    def _config(self) -> Float8LinearConfig:
+        """The config the cast was resolved from (its serialized form)."""
+        return self._cast.config
+
+    @property
+    def float8_dtype(self) -> torch.dtype:
+        return self._cast.float8_dtype
+
+    @property
+    def strategy(self) -> ScalingStrategy:
         """The weight's scaling strategy (its all-gather cast): scale path and rules."""
-        return self._config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
+        return self._cast.strategy
 
     @property
     def rowwise(self) -> bool:
         """Per-output-row scales: local to each dim-0 shard, gathered with the data."""
-        cfg = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT)
-        return cfg.scaling_granularity is ScalingGranularity.AXISWISE
+        return self._cast.rowwise
 
     def needs_refresh(self) -> bool:
         """Whether the float8 step has a scale to compute for this weight (host state)."""
@@ -202,13 +225,13 @@ class Float8WeightWrapper(torch.Tensor):
                 hook(module)
         # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
         # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
-        sharded = getattr(module, "weight", None)
+        sharded = getattr(module, self.param_name, None)
         if self.rowwise:
-            scale = self.float8_scale(shard_group(sharded, (1,), None))
+            scale = self.float8_scale(shard_group(sharded, (self.ROW_SCALE_DIM,), None))
         else:
             scale = self.float8_scale(shard_group(sharded, None, mesh))
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype)
-        emulate = self._config.emulate
+        emulate = self._cast.emulate
         if self.rowwise:
             if outer_size[0] % mesh.size() != 0:  # every rank sees this: no rank hangs
                 raise ValueError(
@@ -250,9 +273,10 @@ class Float8WeightWrapper(torch.Tensor):
         if out is not None:
             if not isinstance(out, Float8Tensor):
                 raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-            # the data aliases the all-gather output FSDP2 refilled; the scale is this
-            # gather's: swap it in rather than copy it over the old one
-            out._scale = scale
+            # the data aliases the all-gather output FSDP2 refilled; the scale is copied
+            # into the unsharded weight's own: `scale` is shared (the wrapper's stamped
+            # scale; static scaling: one cached tensor for every layer)
+            out._scale.copy_(scale)
             return
         return Float8Tensor(data, scale.clone(), param_dtype, metadata.emulate), (data,)
 
@@ -261,7 +285,7 @@ def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
     """Under FSDP2's CPUOffloadPolicy the sharded weight stays on the CPU and the pre-hook
     runs on a copy moved to the GPU: a scale made from the CPU shard (precompute, delayed
     state) would sit on the wrong device. Every rank sees the same, so every rank raises."""
-    sharded = getattr(getattr(module, "weight", None), "_local_tensor", None)
+    sharded = getattr(getattr(module, moved.param_name, None), "_local_tensor", None)
     if sharded is not None and sharded.device != moved.device:
         raise ValueError(
             f"float8 all-gather of a weight offloaded to {sharded.device} and gathered on "

@@ -48,7 +48,7 @@ class BlockFloat8Weight(Float8WeightWrapper):
         check_block_shards(outer_size[0], mesh.size(), self.block[0], owner=owner)
         scale = self.float8_scale(mesh)
         data = self.granularity.cast(self._tensor, scale, -1, self.float8_dtype)
-        scale_dtype, emulate = self.granularity.scale_dtype, self._config.emulate
+        scale_dtype, emulate = self.granularity.scale_dtype, self._cast.emulate
         payload, meta = BlockGather.pack(data, scale, scale_dtype, emulate, self.block)
         return (payload,), meta
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_float8.core.scaling import DynamicScaling
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
@@ -37,5 +38,7 @@ class DynamicFloat8Weight(Float8WeightWrapper):
                 return precomputed
         # the shard's amax MAX-reduced over `mesh`: the shard mesh (tensorwise); rowwise,
         # only tensor parallel's dim that splits rows, else None (no collective)
-        amax = self.strategy.granularity.amax(self._tensor, -1)
-        return self.strategy.scale_from_amax(amax, self.float8_dtype, mesh)
+        strategy = self.strategy
+        assert isinstance(strategy, DynamicScaling)  # `wrapper_class` picked this class by it
+        amax = strategy.granularity.amax(self._tensor, self.ROW_SCALE_DIM)
+        return strategy.scale_from_amax(amax, self.float8_dtype, mesh)

@@ -52,6 +52,7 @@ def wrap_weight(weight: torch.Tensor, module: nn.Module, name: str = "weight") -
     strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
     assert strategy is not None  # the config refuses float8 all-gather of a hp weight
     wrapper = wrapper_class(strategy)(weight.data, config)
+    wrapper.param_name = name
     if isinstance(wrapper, DelayedFloat8Weight):
         wrapper.scale_source = cast(ScaleSource, module.delayed_scaling)
     if isinstance(weight, nn.Parameter):
