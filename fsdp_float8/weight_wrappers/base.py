@@ -241,8 +241,8 @@ class Float8WeightWrapper(torch.Tensor):
                     "shard count, the 'tensorwise' recipe, or enable_fsdp_float8_all_gather=False"
                 )
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
-            payload, meta = RowwiseGather.pack(data, scale, emulate, tuple(outer_size[1:-1]))
-            return (payload,), meta
+            mid = tuple(outer_size[1:-1])
+            return RowwiseGather.pack(data, scale, emulate, mid, shards=mesh.size())
         data = data.view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
         if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
@@ -253,18 +253,10 @@ class Float8WeightWrapper(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
             out = out._local_tensor
+        if isinstance(metadata, RowwiseGather):
+            return _rowwise_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
         gathered = all_gather_outputs[0]
         data, scale = metadata.unpack(gathered)
-        if isinstance(metadata, RowwiseGather):
-            if out is None:
-                # FSDP2 frees and re-allocates the storage of these around each use, sized
-                # by their numel: the whole gathered buffer, not the strided views of it
-                # (plus the scales when they had to be copied out)
-                inner = (gathered,) if _same_storage(scale, gathered) else (gathered, scale)
-                return Float8Tensor(data, scale, param_dtype, metadata.emulate), inner
-            if not _same_storage(out._scale, gathered):  # a copy (K % 4 != 0 bytes a row)
-                out._scale.copy_(scale)
-            return  # otherwise data and scales alias the all-gather output FSDP2 refilled
         if scale.is_cuda:
             # made on FSDP2's all-gather copy-in stream, read here on the current stream:
             # without this the caching allocator may hand its memory to the next block's
@@ -281,6 +273,23 @@ class Float8WeightWrapper(torch.Tensor):
         return Float8Tensor(data, scale.clone(), param_dtype, metadata.emulate), (data,)
 
 
+def _rowwise_post_all_gather(outputs, metadata: RowwiseGather, param_dtype, out):
+    """The data and the scales are views of the all-gather outputs, which FSDP2 frees and
+    refills in place around each use; at shard size 1 the scales come in the metadata and
+    are copied into the unsharded weight's own on a refill."""
+    data, scale = metadata.unpack(tuple(outputs))
+    if metadata.local_scales is not None and scale.is_cuda:  # made on the copy-in stream
+        scale.record_stream(torch.cuda.current_stream(scale.device))
+    if out is None:
+        inner = tuple(outputs) if metadata.local_scales is None else (outputs[0], scale)
+        return Float8Tensor(data, scale, param_dtype, metadata.emulate), inner
+    if not isinstance(out, Float8Tensor):
+        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+    if metadata.local_scales is not None:
+        out._scale.copy_(scale)
+    return None
+
+
 def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
     """Under FSDP2's CPUOffloadPolicy the sharded weight stays on the CPU and the pre-hook
     runs on a copy moved to the GPU: a scale made from the CPU shard (precompute, delayed
@@ -292,10 +301,6 @@ def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
             f"{moved.device} (FSDP2 offload_policy=CPUOffloadPolicy()) is not supported; "
             "drop the offload policy or set enable_fsdp_float8_all_gather=False"
         )
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _flat(args, kwargs):

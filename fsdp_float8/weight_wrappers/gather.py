@@ -8,8 +8,9 @@ typed, named record instead of a positional tuple:
 - `TensorwiseGather`: the float8 bytes only; the one scale (the same on every rank) travels
   as metadata, because under uneven sharding FSDP2 demands every input at exactly the padded
   shard size, which leaves the data no room for it.
-- `RowwiseGather`: each row's float32 scale rides as 4 more bytes of that row
-  (`fsdp_float8.core.payload`: float8 bytes + scales in one uint8 buffer).
+- `RowwiseGather`: the float8 rows and their float32 scales as two `uint8` inputs, so the
+  gathered data is contiguous, in the layout the forward GEMM takes (no copy); at shard
+  size 1 (no collective) the scales travel in the metadata.
 - `BlockGather`: the shard's block scales (float32 or e8m0) laid over the shard's rows.
 """
 
@@ -33,30 +34,39 @@ class TensorwiseGather:
         return gathered.view(self.float8_dtype), self.scale
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RowwiseGather:
-    layout: PayloadLayout  # K float8 bytes + 4 float32 scale bytes a row
+    float8_dtype: torch.dtype
     emulate: bool
     mid: tuple[int, ...]  # a 3-D expert weight (E, out, in): (out,); () for a 2-D weight
+    # at shard size 1 FSDP2 hands the post-hook only the first input: the scales ride here
+    local_scales: torch.Tensor | None = None
 
     @classmethod
     def pack(
-        cls, data: torch.Tensor, scale: torch.Tensor, emulate: bool, mid: tuple[int, ...]
-    ) -> tuple[torch.Tensor, RowwiseGather]:
-        """float8 data (..., K) with its per-row scales (..., 1) -> (payload, metadata)."""
-        rows = data.reshape(-1, data.shape[-1])
-        layout = PayloadLayout(data.dtype, torch.float32, rows.shape[1], 4)
-        return layout.encode(rows, scale.reshape(-1, 1)), cls(layout, emulate, mid)
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        emulate: bool,
+        mid: tuple[int, ...],
+        *,
+        shards: int,
+    ) -> tuple[tuple[torch.Tensor, ...], RowwiseGather]:
+        """float8 data (..., K) with its per-row scales (..., 1) -> (all-gather inputs,
+        metadata): the data rows and the scales' bytes as two `uint8` inputs, so FSDP2's
+        copy-out gives each its own contiguous buffer (the data in the GEMM's layout)."""
+        rows = data.reshape(-1, data.shape[-1]).view(torch.uint8)
+        scales = scale.reshape(-1, 1).to(torch.float32)
+        if shards == 1:
+            return (rows,), cls(data.dtype, emulate, mid, scales)
+        return (rows, scales.view(torch.uint8)), cls(data.dtype, emulate, mid)
 
-    @property
-    def float8_dtype(self) -> torch.dtype:
-        return self.layout.float8_dtype
-
-    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Data and scales as views of the gathered bytes (a copy of the scales when the
-        row length leaves them unaligned); a 3-D expert weight gets its shape back."""
-        data = self.layout.data(gathered)
-        scale = self.layout.scales(gathered, gathered.shape[0], 1)
+    def unpack(self, gathered: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Data and scales as views of the all-gather outputs (the scales of metadata at
+        shard size 1); a 3-D expert weight gets its shape back."""
+        data = gathered[0].view(self.float8_dtype)
+        scale = self.local_scales if self.local_scales is not None else gathered[1]
+        scale = scale.view(torch.float32)
         if self.mid:  # (E * out, in) rows back to (E, out, in)
             data, scale = data.view(-1, *self.mid, data.shape[-1]), scale.view(-1, *self.mid, 1)
         return data, scale
