@@ -100,8 +100,8 @@ class _OneShard:
 
 
 def _gathered_row_scales(w: DynamicFloat8Weight, module: nn.Module) -> torch.Tensor:
-    (payload,), meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), module, None)
-    return meta.unpack(payload)[1]
+    inputs, meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), module, None)
+    return meta.unpack(inputs)[1]
 
 
 def _grid(rank: int, world_size: int):
