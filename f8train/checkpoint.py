@@ -10,11 +10,13 @@ could not load it; a loadable one in a save's way is renamed ``step_N.set_aside`
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
 import re
+import resource
 import shutil
 import sys
 from collections.abc import Callable
@@ -259,11 +261,14 @@ class Checkpointer:
         dist.barrier()
         try:
             dcp.save(state, checkpoint_id=path)
-        except Exception as err:  # DCP's CheckpointException, OSError, RuntimeError ...
-            if free_bytes(self.root) >= need and "No space left" not in str(err):
+        except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
+            if free_bytes(self.root) < need or "No space left" in str(err):
+                why = f"the save failed: {_first_lines(err)}"
+                raise SystemExit(self._no_space(step, need, why)) from None
+            cause = write_failure(err)
+            if cause is None:
                 raise
-            why = f"the save failed: {_first_lines(err)}"
-            raise SystemExit(self._no_space(step, need, why)) from None
+            raise SystemExit(self._write_failed(step, cause, err)) from None
         dist.barrier()  # every rank's files are written
         write_manifest(path, step=step, settings=settings)
         dist.barrier()  # the manifest is in place before anyone prunes or reads it
@@ -298,6 +303,15 @@ class Checkpointer:
             f"{fmt_bytes(free_bytes(self.root))} free, about {fmt_bytes(need)} needed (the "
             f"last checkpoint's size). Free space on that disk (or lower --keep-ckpts, or "
             f"choose another --out), then {resume}. No checkpoint was deleted."
+        )
+
+    def _write_failed(self, step: int, cause: str, err: BaseException) -> str:
+        latest = self.latest()
+        resume = f"rerun the same command to resume from {latest}" if latest else "rerun"
+        return (
+            f"could not write checkpoint step {step} under {self.root}: {cause} "
+            f"({'; '.join(_error_lines(err))}). {resume.capitalize()} once it is fixed. "
+            "No checkpoint was deleted."
         )
 
     def _clear(self, path: Path) -> None:
@@ -341,6 +355,37 @@ def _tensor_bytes(state: dict[str, Stateful]) -> int:
     leaves = tree_leaves([s.state_dict() for s in state.values()])
     local = [t.to_local() if isinstance(t, DTensor) else t for t in leaves]
     return sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why a save's files could not be written in full, with the remedy, or None when the
+    error is not a failed write: a file-size limit (``ulimit -f``, which makes writes fail
+    with EFBIG once SIGXFSZ is ignored) or another short write (torch.save's zip writer
+    reports it as ``unexpected pos``)."""
+    text = str(err)
+    efbig = "File too large" in text or f"[Errno {errno.EFBIG}]" in text
+    if not (efbig or "unexpected pos" in text):
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return (
+            f"a file reached this process's file-size limit ({fmt_bytes(limit)}, ulimit -f): "
+            "raise it (ulimit -f unlimited, or the job scheduler's file-size limit)"
+        )
+    if efbig:
+        return "a file is larger than the file system under --out allows: choose another --out"
+    return (
+        "a file was written short (the file system refused part of a write: a quota, a "
+        "file-size limit or a failing disk): check the disk and quotas under --out"
+    )
+
+
+def _error_lines(err: BaseException) -> list[str]:
+    """The ``SomeError: ...`` lines of an error's text (DCP carries each rank's traceback
+    in its message), once each; the first line when there are none."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    found = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    return list(dict.fromkeys(found)) or lines[:1]
 
 
 def _first_lines(err: BaseException, n: int = 6) -> str:

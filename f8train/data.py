@@ -36,6 +36,7 @@ class TokenData:
     val_start: int
     source: str
     vocab_size: int | None  # 256 for byte-level sources; None when pre-tokenized
+    cache: Path | None = None  # the token cache built from a folder or the stdlib
 
     @property
     def train(self) -> np.ndarray:
@@ -46,8 +47,17 @@ class TokenData:
         return self.tokens[self.val_start :]
 
 
+CACHE_ENV = "FSDP_FLOAT8_CACHE_DIR"
+
+
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "fsdp_float8"
+    """Where a folder's or the stdlib's token cache goes without ``--cache-dir``:
+    ``$FSDP_FLOAT8_CACHE_DIR``, else ``$XDG_CACHE_HOME/fsdp_float8``, else
+    ``~/.cache/fsdp_float8``."""
+    if mine := os.environ.get(CACHE_ENV):
+        return Path(mine)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fsdp_float8"
 
 
 @functools.cache
@@ -245,7 +255,9 @@ def load_tokens(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tokens, source, vocab = _load_source(None if data is None else Path(data), cache, token_dtype)
     val_start = len(tokens) - val_tokens(len(tokens), val_fraction)
-    return TokenData(tokens, val_start, source, vocab)
+    cached = data is None or Path(data).is_dir()  # else the file itself, read in place
+    built = Path(tokens.filename) if cached and isinstance(tokens, np.memmap) else None
+    return TokenData(tokens, val_start, source, vocab, built)
 
 
 def check_token_ids(data: TokenData, vocab_size: int) -> None:
@@ -301,8 +313,11 @@ class _Layout:
 class TokenBatcher(_Layout):
     """Iterator of ``(inputs, targets)``, each ``(local_batch, seq_len)`` int64 on the CPU."""
 
-    def __init__(self, tokens: np.ndarray, *, seed: int = 0, **layout) -> None:
+    def __init__(
+        self, tokens: np.ndarray, *, seed: int = 0, batch_change: bool = False, **layout
+    ) -> None:
         super().__init__(tokens, **layout)
+        self.batch_change = batch_change  # a loaded state may hold another global_batch
         if len(tokens) < self.seq_len + 1:
             raise ValueError(
                 f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = "
@@ -327,8 +342,10 @@ class TokenBatcher(_Layout):
         return {key: getattr(self, key) for key in ("step", "seed", "seq_len", "global_batch")}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state["step"]``; the batch layout must match (world size may differ)."""
-        for key in ("seed", "seq_len", "global_batch"):
+        """Resume at ``state["step"]``; the batch layout must match (world size may differ;
+        ``global_batch`` too with ``batch_change``)."""
+        keys = ("seed", "seq_len") if self.batch_change else ("seed", "seq_len", "global_batch")
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"batcher state has {key}={state[key]} but this batcher has "

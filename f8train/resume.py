@@ -69,7 +69,11 @@ def saved_settings_from_run_json(run_json: Path) -> dict[str, Any] | None:
 
 
 def resume_conflicts(
-    saved: dict[str, Any], current: dict[str, Any], *, allow_recipe_change: bool
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    *,
+    allow_recipe_change: bool,
+    allow_batch_change: bool = False,
 ) -> list[str]:
     """One line per setting that differs: ``flag: checkpoint X, this run Y``."""
 
@@ -85,6 +89,8 @@ def resume_conflicts(
         if scalings <= {None, "dynamic"}:  # off <-> dynamic: no scaling state either side
             waived.add("scaling")
         differ = [k for k in differ if k not in waived]
+    if allow_batch_change:
+        differ = [k for k in differ if k != "global_batch"]
     return [
         f"{_flag(k)}: checkpoint {_show(old.get(k))}, this run {_show(new.get(k))}" for k in differ
     ]
@@ -126,6 +132,12 @@ def refusal(path: str, conflicts: list[str], run_json: str, allow_recipe_change:
         f"cannot resume from {path}: it was saved with other settings than this run's:\n"
         f"{lines}\nRerun with the checkpoint's flags (its run's are in {run_json}), or "
         f"start a new run with another --out. Nothing was changed in the old run.{hint}"
+        + (
+            "\n--allow-batch-change accepts another --global-batch (to resume on a world "
+            "size that does not divide the saved one)."
+            if any(c.startswith("--global-batch") for c in conflicts)
+            else ""
+        )
     )
 
 
@@ -160,7 +172,12 @@ def find_resume(
     saved, allow = found.manifest.get("settings"), args.allow_recipe_change
     # None: a folder without a manifest whose run.json is gone, so nothing to compare with
     changed = resume_conflicts(saved or settings, settings, allow_recipe_change=False)
-    conflicts = resume_conflicts(saved or settings, settings, allow_recipe_change=allow)
+    conflicts = resume_conflicts(
+        saved or settings,
+        settings,
+        allow_recipe_change=allow,
+        allow_batch_change=getattr(args, "allow_batch_change", False),
+    )
     if conflicts:  # before anything is renamed: a refusal changes nothing
         text = refusal(str(found.path), conflicts, _run_json(found.path), allow)
         for path, problems in found.damaged:

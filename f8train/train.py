@@ -29,15 +29,22 @@ from torch.distributed.tensor import DTensor
 from f8train import checkpoint as ck
 from f8train import process_group as pg
 from f8train import train_log as log
-from f8train.data import TokenBatcher, TokenData, ValidationBatches, check_token_ids, load_tokens
+from f8train.data import (
+    CACHE_ENV,
+    TokenBatcher,
+    TokenData,
+    ValidationBatches,
+    check_token_ids,
+    load_tokens,
+)
 from f8train.float8_flags import block_all_gather_problem, describe, float8_config
 from f8train.model import build_args, flops_per_token, num_params
 from f8train.moe import moe_aux_loss, moe_fields
-from f8train.rank_exit import enable_crash_traces, exit_rank
+from f8train.rank_exit import argument_time, enable_crash_traces, exit_rank
 from f8train.resume import checkpoint_settings, find_resume
 from f8train.run_control import GracefulStop, acquire_lock, fault_hooks, release_lock
 from f8train.sharded_model import build_model, build_optimizer, build_scheduler, conversion_counts
-from f8train.train_args import parse_args
+from f8train.train_args import batch_split_problem, parse_args
 from fsdp_float8 import Float8LinearConfig, Float8Telemetry, float8_step
 from fsdp_float8 import sync_float8_amax_and_scale_history as sync_float8
 from fsdp_float8.tools.comm_stats import CollectiveCounter
@@ -56,7 +63,9 @@ class Trainer:
         # the ranks of a tensor-parallel group read the same batch: split over dp only
         layout = dict(seq_len=args.seq_len, global_batch=args.global_batch)
         layout |= dict(rank=d.rank // d.tp, world_size=d.world_size // d.tp)
-        self.batcher = TokenBatcher(self.data.train, **layout, seed=args.seed)
+        self.batcher = TokenBatcher(
+            self.data.train, **layout, seed=args.seed, batch_change=args.allow_batch_change
+        )
         self.val = ValidationBatches(self.data.val, **layout, num_batches=args.val_batches)
         self.ckpt = ck.Checkpointer(
             self.out / "checkpoints", keep=args.keep_ckpts, is_main=d.is_main
@@ -96,7 +105,7 @@ class Trainer:
         step = self.progress_state.step
         self.say(f"resumed from {point.path} at step {step} (world size {self.d.world_size})")
         for change in point.changed:
-            self.say(f"  changed on resume (--allow-recipe-change): {change}")
+            self.say(f"  changed on resume: {change}")
         return step
 
     def header(self, start_step: int) -> None:
@@ -125,6 +134,12 @@ class Trainer:
             f"{report or 'float8: off (high-precision baseline)'}\n"
             f"out: {self.out}  (from step {start_step} to {a.steps})"
         )
+        if self.data.cache is not None:  # a file outside the repository: say where it is
+            size = self.data.cache.stat().st_size / 2**20
+            self.say(
+                f"token cache: {self.data.cache} ({size:.0f} MiB; move it with --cache-dir "
+                f"or {CACHE_ENV})"
+            )
 
     def loss_of(self, inputs: torch.Tensor, targets: torch.Tensor, reduction="mean"):
         logits = self.model(inputs.to(self.d.device)).float().flatten(0, 1)
@@ -282,16 +297,8 @@ def load_data(args: argparse.Namespace) -> TokenData:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    config = float8_config(args)  # refuse bad flag combinations before starting anything
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    shards = max(1, world // (args.hsdp_replicate * args.tp))  # what fully_shard shards over
-    resuming = bool(
-        ck.Checkpointer(Path(args.out) / "checkpoints", keep=1, is_main=False).complete()
-    )
-    problem = block_all_gather_problem(args, config, shards, resuming=resuming)
-    if problem is not None:  # every rank decides alike, before any process group
-        raise SystemExit(problem)
+    with argument_time():  # under torchrun, rank 0 alone prints a refusal
+        args, config = check_arguments(argv)
     d = pg.init_distributed(args)
     try:
         why = pg.broadcast_from_0(acquire_lock(Path(args.out)) if d.is_main else None)
@@ -307,6 +314,25 @@ def main(argv: list[str] | None = None) -> int:
         if d.is_main:  # only the lock this process holds
             release_lock(Path(args.out))
         dist.destroy_process_group()
+
+
+def check_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, Float8LinearConfig | None]:
+    """The flags and the float8 config, or a refusal (``SystemExit``) before anything starts;
+    every rank decides alike."""
+    args = parse_args(argv)
+    config = float8_config(args)  # refuse bad flag combinations before starting anything
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    shards = max(1, world // (args.hsdp_replicate * args.tp))  # what fully_shard shards over
+    resuming = bool(
+        ck.Checkpointer(Path(args.out) / "checkpoints", keep=1, is_main=False).complete()
+    )
+    problem = block_all_gather_problem(args, config, shards, resuming=resuming)
+    problem = problem or batch_split_problem(
+        args.global_batch, max(1, world // args.tp), resuming=resuming
+    )
+    if problem is not None:  # every rank decides alike, before any process group
+        raise SystemExit(problem)
+    return args, config
 
 
 if __name__ == "__main__":  # process-wide: crash traces on, no finalization at exit

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from f8train.data import (
+    CACHE_ENV,
     corpus_tokens,
     default_cache_dir,
     min_corpus_tokens,
@@ -52,6 +53,7 @@ def number(kind: type, low: float, high: float = math.inf, *, strict: bool = Fal
 
 
 DEFAULT_DELAYED_HISTORY = 16
+DEFAULT_OUT = "runs/train-"  # + the recipe: a baseline never meets the float8 run's checkpoint
 _SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of")
 POS_INT, NONNEG_INT = number(int, 1), number(int, 0)
 SEED = number(int, 0, 2**64 - 1)  # what torch.manual_seed takes
@@ -102,7 +104,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--seed", SEED, 0, None),
     ],
     "run, logging, checkpoints": [
-        ("--out", None, "runs/train", "metrics, summary and checkpoints"),
+        ("--out", None, None, f"metrics, summary, checkpoints; None: {DEFAULT_OUT}RECIPE"),
         ("--log-every", POS_INT, 10, "progress line (non-terminal)"),
         ("--val-every", NONNEG_INT, 25, "0: no validation"),
         ("--val-batches", POS_INT, 4, None),
@@ -112,6 +114,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--keep-ckpts", POS_INT, 2, "newest checkpoints kept"),
         ("--resume", "?", None, "CKPT, or the latest checkpoint in --out", "CKPT"),
         ("--allow-recipe-change", FLAG, False, "resume with another --recipe (not delayed)"),
+        ("--allow-batch-change", FLAG, False, "resume with another --global-batch"),
         # long enough for a checkpoint save or a first compiled step on a slow rank, short
         # enough that a hung job ends well before torch's default 30 minutes
         ("--pg-timeout-s", POS_FLOAT, 300.0, "end a collective waiting this long"),
@@ -123,7 +126,7 @@ _FLAGS: dict[str, list[tuple]] = {
     ],
     "data": [
         ("--data", None, None, "text file, folder, or .u16.bin/.u32.bin (default: stdlib)"),
-        ("--cache-dir", None, None, f"default {default_cache_dir()}"),
+        ("--cache-dir", None, None, f"token cache; None: ${CACHE_ENV} or {default_cache_dir()}"),
         ("--token-dtype", ("uint16", "uint32"), None, None),
         ("--val-fraction", FRACTION, 0.01, "the share of the tokens held out for validation"),
     ],
@@ -155,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = f"{DEFAULT_OUT}{args.recipe}"
     if args.comm_every is None:
         args.comm_every = 0 if args.compile else 10 if args.device == "cuda" else 1
     if (problem := shape_problem(args)) is not None:  # the other checks build the model
@@ -277,3 +282,25 @@ def out_problem(out: str) -> str | None:
         if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
             return f"no permission to write in {folder}"
     return None
+
+
+def batch_split_problem(global_batch: int, data_parallel: int, *, resuming: bool) -> str | None:
+    """Why ``--global-batch`` cannot be split evenly over the data-parallel ranks (every rank
+    reads the same number of rows), with the nearest batches that can; on a resume, also how
+    to continue a run saved on another world size."""
+    if global_batch % data_parallel == 0:
+        return None
+    lower = global_batch // data_parallel * data_parallel
+    near = " or ".join(str(n) for n in (lower, lower + data_parallel) if n > 0)
+    text = (
+        f"--global-batch {global_batch} is not divisible by the {data_parallel} data-parallel "
+        f"ranks (world size / --tp / ...): choose a multiple of {data_parallel}, e.g. {near}"
+    )
+    if resuming:
+        text += (
+            ", and add --allow-batch-change to resume a checkpoint saved with another "
+            "--global-batch (from the resumed step on, each step draws the new number of "
+            "sequences; the step count, learning-rate schedule and token count carry on), or "
+            "resume on a world size that divides the saved --global-batch"
+        )
+    return text

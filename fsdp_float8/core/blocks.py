@@ -25,7 +25,7 @@ The block-scaled GEMM `block_scaled_mm` (a (M, K) @ b (K, N)):
 - CUDA: `torch.nn.functional.scaled_mm` with its `BlockWise1x128` /
   `BlockWise128x128` (SM90) or `BlockWise1x32` with swizzled e8m0 scales (SM100), where
   `cuda_block_gemm_problem` finds no obstacle; otherwise a ValueError naming what the
-  device lacks. Written from PyTorch's documentation and tests; never run here (no GPU).
+  device lacks (`core/blocks_cuda.py`; checked by the fake-CUDA lane and tests/gpu).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The CUDA block-scaled GEMM: `torch.nn.functional.scaled_mm` with block ScalingTypes.
 
-Written from PyTorch's `scaled_mm` documentation and its CUDA tests (test_scaled_matmul_cuda,
-torch 2.13); NEVER RUN in this project so far (no GPU was lent): treat as untested.
+Follows PyTorch's `scaled_mm` documentation and its CUDA tests (test_scaled_matmul_cuda,
+torch 2.13). Checked by the fake-CUDA lane (tests/fakecuda: shapes, layouts, dtypes) and,
+on a GPU with the kernel, by tests/gpu/test_block_cuda.py (against the float32 emulation).
 What it asks of the device and shapes (`cuda_block_gemm_problem` says which is missing):
 - float32 block scales (DeepSeek-style): SM90 (H100/H200) exactly; pairs (1x128, 128x128),
   (1x128, 1x128), (128x128, 1x128) along K; M, N, K multiples of 128. Scales go in as

@@ -14,7 +14,8 @@ GEMMs of an expert projection (`fsdp_float8.experts.gemm`):
 `scale` multiplies hp into float8 (`fp8 = saturate(hp * scale)`, see `float8_tensor`).
 Backends, picked from the device and `emulate`, never by a silent fallback:
 - CUDA, not emulated: `torch._scaled_grouped_mm` (rowwise only; feature check in `_compat`).
-  Written from torch's and torchao's documented layouts; not yet run (no GPU was lent).
+  Follows torch's documented `_scaled_grouped_mm` layouts; checked by the fake-CUDA lane
+  (tests/fakecuda/test_experts_cuda.py) and, on a GPU, by tests/gpu.
 - `emulate=True`: dequantize to float32, then `torch._grouped_mm` (or a per-group float32
   `mm` loop where this torch has no CPU `_grouped_mm`), rounded once to `out_dtype`.
 - CPU, not emulated: a per-group loop of `scaled_mm_data` (CPU `torch._scaled_mm`), the

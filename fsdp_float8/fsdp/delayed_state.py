@@ -7,7 +7,10 @@ reduces those amaxes across the data-parallel ranks (one collective for the whol
 `fsdp_float8.fsdp.step`), rolls `fp8_amax_history_<op>` (newest first) and recomputes
 `fp8_scale_<op>` from it, identically on every rank. Before the first sync there is no
 history (`fp8_initialized_<op>` False): the operand is scaled by its own amax, as dynamic
-scaling would, and that amax is recorded like any other.
+scaling would, and that amax is recorded like any other. A non-finite amax (inf/NaN in
+the operand) is never recorded: it is counted in `fp8_nonfinite_<op>` instead
+(`nonfinite_amaxes(model)`), so one bad batch that a training loop skips cannot poison
+the history.
 
 `DelayedScalingState` is that state for one `Float8Linear` (its child `delayed_scaling`,
 None when no operand is delayed):
@@ -26,6 +29,7 @@ None when no operand is delayed):
 from __future__ import annotations
 
 import re
+import sys
 from typing import NamedTuple
 
 import torch
@@ -39,6 +43,54 @@ from fsdp_float8.core.scaling import DelayedScaling, tensor_amax
 _KINDS = ("amax", "amax_history", "scale", "initialized")
 
 
+def is_training_forward(module: nn.Module) -> bool:
+    """Whether a forward of `module` now is a training step's, whose amaxes feed the delayed
+    history: the module in train mode, gradients enabled, and not a forward that
+    torch.distributed.pipelining runs before the first step to infer the stages' shapes
+    (stages built without example inputs; a later stage's input is then uninitialized
+    memory, under `enable_grad`, with a backward after it)."""
+    if not (module.training and torch.is_grad_enabled()):
+        return False
+    if torch.compiler.is_compiling():  # a traced graph has no Python stack to look at
+        return True
+    return not in_pipeline_shape_inference()
+
+
+# pipelining's shape-inference methods, by name across torch versions (2.13: the first)
+_SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_shape_inference")
+_inference_codes: dict[int, frozenset] = {}  # id(pipelining's stage module) -> code objects
+
+
+def shape_inference_codes() -> frozenset:
+    """The code objects of pipelining's shape-inference methods (empty when
+    torch.distributed.pipelining was never imported: then nothing runs them)."""
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage is None:
+        return frozenset()
+    codes = _inference_codes.get(id(stage))
+    if codes is None:
+        found = set()
+        for cls in vars(stage).values():
+            for name in _SHAPE_INFERENCE_METHODS:
+                fn = vars(cls).get(name) if isinstance(cls, type) else None
+                if fn is not None and hasattr(fn, "__code__"):
+                    found.add(fn.__code__)
+        codes = _inference_codes[id(stage)] = frozenset(found)
+    return codes
+
+
+def in_pipeline_shape_inference() -> bool:
+    """Whether pipelining's shape inference is on the Python stack (a few microseconds,
+    and only once pipelining was imported)."""
+    codes = shape_inference_codes()
+    frame = sys._getframe(1) if codes else None
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class DelayedState(NamedTuple):
     """One operand's delayed state: views of a `DelayedScalingState`'s buffers."""
 
@@ -46,9 +98,16 @@ class DelayedState(NamedTuple):
     amax_history: torch.Tensor  # (history_len,) float32, most recent first
     scale: torch.Tensor  # () float32: the scale used until the next sync
     initialized: torch.Tensor  # () bool: a sync has happened
+    nonfinite: torch.Tensor | None = None  # () float32: non-finite amaxes left out
 
     def record(self, amax: torch.Tensor) -> None:
-        self.amax.copy_(torch.maximum(self.amax, amax))
+        """Keep the max of the amaxes seen since the last sync. A non-finite amax (a batch
+        holding inf/NaN, which a training loop's guard skips) is left out and counted, so
+        it never reaches the history: the next steps scale as if it had never been seen."""
+        finite = torch.isfinite(amax)
+        self.amax.copy_(torch.where(finite, torch.maximum(self.amax, amax), self.amax))
+        if self.nonfinite is not None:
+            self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
 
     def roll(
         self,
@@ -59,12 +118,13 @@ class DelayedState(NamedTuple):
         where: torch.Tensor | bool = True,
     ) -> None:
         """Push the (cross-rank reduced) amax into the history and refresh the scale, where
-        `where` holds (a 0-d bool, decided on the device); the recorded amax is cleared."""
+        `where` holds (a 0-d bool, decided on the device) and the amax is finite; the
+        recorded amax is cleared."""
         history = torch.roll(self.amax_history, 1)
         history[0] = amax
         source = history.amax() if strategy.scale_fn_name == "max" else history[0]
         scale = strategy.scale_from_amax(source, dtype)
-        where = torch.as_tensor(where, device=history.device)
+        where = torch.as_tensor(where, device=history.device) & torch.isfinite(amax)
         self.amax_history.copy_(torch.where(where, history, self.amax_history))
         self.scale.copy_(torch.where(where, scale, self.scale))
         self.initialized.copy_(self.initialized | where)
@@ -96,6 +156,8 @@ class DelayedScalingState(nn.Module):
             self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), dtype=f32, device=device))
             init = torch.zeros((), dtype=torch.bool, device=device)
             self.register_buffer(f"fp8_initialized_{op.value}", init)
+            nonfinite = torch.zeros((), dtype=f32, device=device)  # not saved: a diagnostic
+            self.register_buffer(f"fp8_nonfinite_{op.value}", nonfinite, persistent=False)
         forwards = torch.zeros((), dtype=f32, device=device)
         self.register_buffer("fp8_forwards", forwards, persistent=False)
         self.weight_ready = False  # host mirror of fp8_initialized_weight (no device read)
@@ -110,7 +172,9 @@ class DelayedScalingState(nn.Module):
         return state if state.operands else None
 
     def view(self, op: Operand) -> DelayedState:
-        return DelayedState(*(getattr(self, f"fp8_{kind}_{op.value}") for kind in _KINDS))
+        amax, history, scale, initialized = (getattr(self, f"fp8_{k}_{op.value}") for k in _KINDS)
+        nonfinite = getattr(self, f"fp8_nonfinite_{op.value}")
+        return DelayedState(amax, history, scale, initialized, nonfinite)
 
     @property
     def ready(self) -> bool:
@@ -126,7 +190,10 @@ class DelayedScalingState(nn.Module):
         amaxes, which a max leaves unchanged)."""
         states = {op: self.view(op) for op in self.operands}
         if not training:
-            return {op: s._replace(amax=torch.zeros_like(s.amax)) for op, s in states.items()}
+            return {
+                op: s._replace(amax=torch.zeros_like(s.amax), nonfinite=None)
+                for op, s in states.items()
+            }
         self.fp8_forwards.add_(1)
         return states
 
@@ -135,7 +202,7 @@ class DelayedScalingState(nn.Module):
         it gives exactly the layer's scale and records into the copy only."""
         if op not in self.operands:
             return None
-        return DelayedState(*(t.clone() for t in self.view(op)))
+        return DelayedState(*(t.clone() for t in self.view(op) if t is not None))
 
     def weight_scale(self, shard: torch.Tensor, mesh: Group) -> torch.Tensor:
         """The scale source of a delayed float8-gathered weight: records the local shard's
@@ -194,6 +261,8 @@ class DelayedScalingState(nn.Module):
             state.amax_history.zero_()
             state.scale.fill_(1.0)
             state.initialized.fill_(False)
+            if state.nonfinite is not None:
+                state.nonfinite.zero_()
         self.fp8_forwards.zero_()
         self.weight_ready = False
 
@@ -220,6 +289,22 @@ def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
     # one host read at load time, so no forward and no all-gather hook reads a device flag
     flags = {op: bool(state.view(op).initialized) for op in state.operands}
     state.weight_ready = flags.get(Operand.WEIGHT, False)
+
+
+def nonfinite_amaxes(model: nn.Module) -> dict[str, int]:
+    """How many non-finite amaxes each delayed operand left out of its history since the
+    model was built (or `reset`), as {"<layer fqn>.<operand>": count}, nonzero counts only.
+    A nonzero count means a forward or backward saw inf/NaN in that operand; the history and
+    scale carry on from the finite amaxes. Reads the device: call it for logs, not per step."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DelayedScalingState):
+            layer = name.removesuffix("delayed_scaling").rstrip(".")
+            for op in module.operands:
+                count = int(getattr(module, f"fp8_nonfinite_{op.value}").item())
+                if count:
+                    out[f"{layer}.{op.value}" if layer else op.value] = count
+    return out
 
 
 _STATE_KEY = re.compile(r"(^|\.)delayed_scaling\.fp8_\w+$")

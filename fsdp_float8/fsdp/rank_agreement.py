@@ -1,13 +1,15 @@
 """Do all ranks run the same float8 model, and are they all here? A handshake through the store.
 
 A refresh collective that one rank starts alone (a rank that never converted its model, an
-explicit precompute or an in-place load on one rank only) would meet another collective of
-another size on the other ranks: gloo aborts a rank, NCCL hangs. So every refresh that is
-not the steady one after `optimizer.step()` (the first of a group, one before a forward,
-an explicit call) is preceded by `handshake`: each rank checks in through the process
-group's store (O(1) store operations per rank, no collective) and waits until all have, at
-most the store's timeout (`FSDP_FLOAT8_RANK_WAIT_S` overrides it); ranks that never come
-are named in a RuntimeError on the ranks that did. The first handshake of a group also
+optimizer step, an explicit precompute or an in-place load on one rank only) would meet
+another collective of another size on the other ranks: gloo aborts a rank, NCCL hangs. So
+every refresh that issues a collective is preceded by `handshake`: each rank checks in
+through the process group's store (O(1) store operations per rank, no collective) and waits
+until all have, at most the store's timeout (`FSDP_FLOAT8_RANK_WAIT_S`, a finite number of
+seconds > 0, overrides it); a rank still waiting after `NOTICE_S` says once on stderr what
+for, and ranks that never come are named in a RuntimeError on the ranks that did. The
+handshakes are counted per process group and rank, so ranks that share a process (torch's
+multi-threaded test process group) meet at the same keys. The first handshake of a group also
 carries the config fingerprint: `fingerprint(weights)` hashes each setting over every
 linear and expert weight into one float64 per field, and ranks that converted differently
 (another recipe, scaling type, static scale, float8 all-gather on one rank only, another
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
+import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -84,7 +89,7 @@ def check_agreement(fingerprints: torch.Tensor, group: dist.ProcessGroup | None)
     )
 
 
-_SEQ: dict[str, int] = {}  # group key -> handshakes done on this rank
+_SEQ: dict[tuple[str, int], int] = {}  # (group key, rank) -> handshakes that rank did
 
 
 def _store_of(pg: dist.ProcessGroup) -> dist.Store | None:
@@ -96,17 +101,55 @@ def _store_of(pg: dist.ProcessGroup) -> dist.Store | None:
     return entry[1] if entry else None
 
 
+WAIT_VAR = "FSDP_FLOAT8_RANK_WAIT_S"
+NOTICE_S = 30.0  # a rank still waiting after this long says so on stderr, once per handshake
+_WAIT_CHECKED: dict[str, float] = {}  # the variable's text -> its validated seconds
+
+
 def _wait_s(store: dist.Store) -> float:
-    text = os.environ.get("FSDP_FLOAT8_RANK_WAIT_S")
-    if text is None:  # the store's timeout is the process group's (init_process_group)
+    """How long a rank waits for the others: FSDP_FLOAT8_RANK_WAIT_S (validated once per
+    value, at first use), else the store's timeout (the process group's)."""
+    text = os.environ.get(WAIT_VAR)
+    if text is None:
         return getattr(store, "timeout", dist.default_pg_timeout).total_seconds()
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(
-            f"FSDP_FLOAT8_RANK_WAIT_S={text!r} is not a number of seconds: unset it (the "
-            "process group's timeout applies) or give e.g. 600"
-        ) from None
+    if text not in _WAIT_CHECKED:
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(
+                f"{WAIT_VAR}={text!r}: expected a finite number of seconds > 0 (how long a "
+                "rank waits at a float8 refresh for the other ranks), e.g. 600; unset it to "
+                "wait for the process group's timeout"
+            )
+        _WAIT_CHECKED[text] = seconds
+    return _WAIT_CHECKED[text]
+
+
+class _Waiter:
+    """The waits of one handshake: at most `timeout` s in all; once `NOTICE_S` (or half the
+    timeout, if shorter) have passed, one line on stderr says what this rank waits for."""
+
+    def __init__(self, store: dist.Store, timeout: float, waiting_for) -> None:
+        self.store, self.timeout, self.waiting_for = store, timeout, waiting_for
+        self.start = time.monotonic()
+        self.notice_at = self.start + min(NOTICE_S, timeout / 2)
+        self.said = False
+
+    def wait(self, key: str) -> None:
+        if not self.said:
+            try:
+                self.store.wait([key], self._until(self.notice_at))
+                return
+            except RuntimeError:  # DistStoreError: not there yet
+                self.said = True
+                text = f"fsdp_float8: {self.waiting_for()} (waiting up to {self.timeout:g} s)"
+                print(text, file=sys.stderr, flush=True)
+        self.store.wait([key], self._until(self.start + self.timeout))
+
+    def _until(self, t: float) -> timedelta:
+        return timedelta(seconds=max(t - time.monotonic(), 1e-3))
 
 
 def handshake(pg: dist.ProcessGroup, head: torch.Tensor | None, what: str) -> None:
@@ -116,40 +159,63 @@ def handshake(pg: dist.ProcessGroup, head: torch.Tensor | None, what: str) -> No
     store = _store_of(pg)
     if store is None:
         return
+    timeout = _wait_s(store)
     ranks = dist.get_process_group_ranks(pg)
     me = dist.get_rank()
     key = hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
-    seq = _SEQ[key] = _SEQ.get(key, 0) + 1
-    prefix = f"fsdp_float8/handshake/{key}"
+    # per rank: ranks that share a process (threaded test process groups) count apart
+    seq = _SEQ[key, me] = _SEQ.get((key, me), 0) + 1
+    prefix = f"fsdp_float8/handshake/{key}/{seq}"
+
+    def missing() -> list[int]:
+        return [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+
+    def waiting_for() -> str:
+        return (
+            f"rank {me} is waiting at the float8 {what} for ranks {missing()} of {ranks}. "
+            + _CAUSES
+        )
+
     mine = "" if head is None else repr(head.tolist())
-    store.set(f"{prefix}/{seq}/{me}", mine)
-    timeout = timedelta(seconds=_wait_s(store))
+    store.set(f"{prefix}/{me}", mine)
+    waiter = _Waiter(store, timeout, waiting_for)
     try:
-        store.wait([f"{prefix}/{seq}/{ranks[0]}"], timeout)
-        if store.get(f"{prefix}/{seq}/{ranks[0]}").decode() != mine:
-            store.add(f"{prefix}/{seq}/differ", 1)
-        if store.add(f"{prefix}/{seq}/arrived", 1) == len(ranks):
-            store.set(f"{prefix}/{seq}/all", "1")
-        store.wait([f"{prefix}/{seq}/all"], timeout)
+        waiter.wait(f"{prefix}/{ranks[0]}")
+        if store.get(f"{prefix}/{ranks[0]}").decode() != mine:
+            store.add(f"{prefix}/differ", 1)
+        if store.add(f"{prefix}/arrived", 1) == len(ranks):
+            store.set(f"{prefix}/all", "1")
+        waiter.wait(f"{prefix}/all")
     except RuntimeError as e:  # the store's wait timed out
-        missing = [r for r in ranks if not store.check([f"{prefix}/{seq}/{r}"])]
         raise RuntimeError(
-            f"rank {me} waited {timeout.total_seconds():g} s at the float8 {what} for ranks "
-            f"{missing} of {ranks}, which never reached it ({e}). Every rank must convert "
-            "the model alike (convert_to_float8_training before fully_shard) and run the "
-            "same float8 calls: an explicit precompute / sync, a checkpoint load or an "
-            "in-place write into weights on some ranks only starts a collective the others "
-            "never join. FSDP_FLOAT8_RANK_WAIT_S sets how long a rank waits"
+            f"rank {me} waited {timeout:g} s at the float8 {what} for ranks {missing()} of "
+            f"{ranks}, which never reached it ({e}). {_CAUSES} {WAIT_VAR} sets how long a "
+            "rank waits"
         ) from None
-    if seq > 2:  # every rank is past handshake seq - 2: its keys are read
-        old = f"{prefix}/{seq - 2}"
-        store.delete_key(f"{old}/{me}")
-        if me == ranks[0]:
-            for name in ("differ", "arrived", "all"):
-                store.delete_key(f"{old}/{name}")
-    if head is not None and int(store.add(f"{prefix}/{seq}/differ", 0)):
-        rows = [_row(store.get(f"{prefix}/{seq}/{r}").decode()) for r in ranks]
+    _forget(store, prefix, seq, me, ranks[0])
+    if head is not None and int(store.add(f"{prefix}/differ", 0)):
+        rows = [_row(store.get(f"{prefix}/{r}").decode()) for r in ranks]
         check_agreement(torch.tensor(rows, dtype=torch.float64), pg)
+
+
+_CAUSES = (
+    "Every rank must convert the model alike (convert_to_float8_training before "
+    "fully_shard) and run the same float8 calls: an optimizer.step() that some ranks skip "
+    "(e.g. a skip decided from a rank's own loss), an explicit precompute / sync, a "
+    "checkpoint load or an in-place write into weights on some ranks only starts a "
+    "collective the others never join."
+)
+
+
+def _forget(store: dist.Store, prefix: str, seq: int, me: int, first: int) -> None:
+    """Delete the keys of handshake seq - 2: every rank is past it, its keys are read."""
+    if seq <= 2:
+        return
+    old = f"{prefix.rpartition('/')[0]}/{seq - 2}"
+    store.delete_key(f"{old}/{me}")
+    if me == first:
+        for name in ("differ", "arrived", "all"):
+            store.delete_key(f"{old}/{name}")
 
 
 def _row(text: str) -> list[float]:

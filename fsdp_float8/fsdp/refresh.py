@@ -10,10 +10,11 @@ zeros too), never on rank-local state. One collective per reduction group:
   (`DelayedScalingState.apply_reduced`). A MAX over ranks of `ran` and `-ran` tells on the
   device whether the layer ran everywhere (roll), nowhere (keep), or on some ranks only (an
   error on every rank, not a hang).
-A refresh that is not the steady one after an optimizer step (the first of a group, one
-before a forward, an explicit call) is preceded by the store handshake of `rank_agreement`
-(the first one also compares the config fingerprints): a rank that is missing or converted
-differently gets an error, not an abort. A group with nothing to reduce issues no collective.
+A refresh that issues a collective is preceded by the store handshake of `rank_agreement`
+(the first one of a group also compares the config fingerprints): a rank that is missing
+(it skipped the optimizer step, never converted, ...) or converted differently gets an
+error, not an abort. A group with nothing to reduce issues no collective and has no
+handshake after its first refresh.
 
 What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 """
@@ -153,8 +154,8 @@ def refresh_units(
 ) -> tuple[int, int]:
     """Refresh every dynamic weight of the units and sync the delayed layers whose state's
     id is in `delayed_due`: one collective per reduction group. `handshake_at` (what the
-    refresh is, for errors) asks for the store handshake first; the first refresh of a
-    group always has one. Returns (weights, delayed operands)."""
+    refresh is, for errors) asks for the store handshake before each collective; the
+    first refresh of a group always has one. Returns (weights, delayed operands)."""
     counts = [0, 0]
     for group, members in grouped.items():
         n_weights, n_delayed = _refresh_group(members, group, delayed_due, handshake_at)
@@ -164,16 +165,11 @@ def refresh_units(
 
 
 def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: str | None):
-    pg = group_of(group)
-    if pg is not None and dist.get_world_size(pg) > 1:
-        check = not all(u.module in _checked for u in units if u.float8)
-        if check or at:
-            head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
-            handshake(pg, head, at or "first refresh of the float8 step")
-            _checked.update(u.module for u in units if u.float8)
-    columns, weights, states = _slot_columns(units, delayed_due)
-    if not (weights or states):  # nothing to reduce (e.g. rowwise)
+    work = any(u.dynamic_weight() is not None or id(u.delayed()) in delayed_due for u in units)
+    _agree(units, group, at if work else None)
+    if not work:  # nothing to reduce (e.g. rowwise)
         return 0, 0
+    columns, weights, states = _slot_columns(units, delayed_due)
     reduced = all_reduce_amax_(torch.cat([*columns, -columns[len(_SLOTS)]]), group)
     table = reduced.view(len(_SLOTS) + 2, len(units))
     _stamp_scales(weights, table[0])
@@ -192,6 +188,19 @@ def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.
         scales = scale_from_amax(amaxes[index], dtype, power_of_2=pow2)
         for (_, w), scale in zip(members, scales.unbind(), strict=True):
             w.set_precomputed_scale(scale)
+
+
+def _agree(units: list[Unit], group: Group, at: str | None) -> None:
+    """The store handshake before a refresh collective (`at` names the refresh), and the
+    config check at a group's first refresh."""
+    pg = group_of(group)
+    if pg is None or dist.get_world_size(pg) == 1:
+        return
+    check = not all(u.module in _checked for u in units if u.float8)
+    if check or at:
+        head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
+        handshake(pg, head, at or "first refresh of the float8 step")
+        _checked.update(u.module for u in units if u.float8)
 
 
 def _slot_columns(units: list[Unit], delayed_due: set[int]):
@@ -225,7 +234,14 @@ def _apply_delayed(units: list[Unit], states: list[int], table: torch.Tensor) ->
         _check_ran_everywhere([u.layer for u in units], ran_max != ran_min)
 
 
-_pending_checks: list[tuple[torch.Event, torch.Tensor, list[str]]] = []  # (event, flags, names)
+# rank -> its (event, flags, names) not read yet: per rank, so ranks that share a process
+# (torch's threaded test process group) each read their own
+_pending_checks: dict[int, list[tuple[torch.Event, torch.Tensor, list[str]]]] = {}
+
+
+def _pending() -> list[tuple[torch.Event, torch.Tensor, list[str]]]:
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    return _pending_checks.setdefault(rank, [])
 
 
 def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
@@ -239,12 +255,13 @@ def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
     host.copy_(mixed, non_blocking=True)
     event = torch.Event(mixed.device)
     event.record()
-    _pending_checks.append((event, host, names))
+    _pending().append((event, host, names))
 
 
 def read_pending_checks() -> None:
-    while _pending_checks and _pending_checks[0][0].query():
-        _, host, names = _pending_checks.pop(0)
+    pending = _pending()
+    while pending and pending[0][0].query():
+        _, host, names = pending.pop(0)
         _raise_if_mixed(names, host.tolist())
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -44,6 +45,7 @@ from torch.optim.optimizer import (
 
 from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.fsdp import refresh as _refresh
+from fsdp_float8.fsdp.delayed_state import is_training_forward
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, units_of
 from fsdp_float8.fsdp.streams import caller_stream, first_stream, on_stream
 from fsdp_float8.fsdp.structure import Structure, held_by
@@ -64,15 +66,22 @@ class StepPlan:
     float8_layers: tuple[str, ...]  # float8 linear layers and experts modules
     precomputed_weights: tuple[str, ...]  # weights whose all-gather scale is precomputed
     delayed_layers: tuple[str, ...]  # layers whose delayed-scaling state is synced
-    collectives_per_step: int  # refresh collectives per steady training step
+    # refresh collectives per steady training step; None before `fully_shard` in a
+    # distributed run (float8-gathered weights not sharded yet: their groups are unknown)
+    collectives_per_step: int | None
 
     def __str__(self) -> str:
         state = "on" if self.enabled else "off (explicit calls only)"
+        n = self.collectives_per_step
+        count = (
+            f"{n} collective(s) per optimizer step"
+            if n is not None
+            else "collectives per optimizer step known after fully_shard (no weight is sharded yet)"
+        )
         return (
             f"float8 step {state}: {len(self.float8_layers)} float8 layers, "
             f"{len(self.precomputed_weights)} precomputed weight scales, "
-            f"{len(self.delayed_layers)} delayed-scaling layers; "
-            f"{self.collectives_per_step} collective(s) per optimizer step"
+            f"{len(self.delayed_layers)} delayed-scaling layers; {count}"
         )
 
 
@@ -118,8 +127,9 @@ class Float8Step:
         return self
 
     def describe(self) -> StepPlan:
-        """The layers, weights and collectives of this step, as the model is now (after
-        `fully_shard`, the meshes are known)."""
+        """The layers, weights and collectives of this step, as the model is now. The
+        collectives are known after `fully_shard` (the meshes); before it, in a run of
+        several ranks with float8-gathered weights, `collectives_per_step` is None."""
         units = self._units()
         grouped = grouped_units(units)
         layers = dict.fromkeys(u.layer for u, _ in units if u.float8)
@@ -129,7 +139,9 @@ class Float8Step:
             float8_layers=tuple(layers),
             precomputed_weights=tuple(u.fqn for u, _ in units if u.dynamic_weight() is not None),
             delayed_layers=tuple(delayed),
-            collectives_per_step=_refresh.collectives(grouped),
+            collectives_per_step=None
+            if _awaits_sharding(grouped)
+            else _refresh.collectives(grouped),
         )
 
     def structure(self) -> Structure:
@@ -148,6 +160,16 @@ class Float8Step:
 
     def __repr__(self) -> str:
         return f"Float8Step({self.describe()})"
+
+
+def _awaits_sharding(grouped: dict[Group, list[Unit]]) -> bool:
+    """Several ranks, and float8-gathered weights in no reduction group yet (not sharded)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(
+        group_of(g) is None and any(u.dynamic_weight() is not None for u in us)
+        for g, us in grouped.items()
+    )
 
 
 class _Marker:
@@ -244,7 +266,7 @@ def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
     )
     if not (stale or due or _refresh.needs_check(grouped)):
         return 0, 0
-    counts = _refresh.refresh_units(grouped, due, None if mode == _AUTO else f"refresh ({mode})")
+    counts = _refresh.refresh_units(grouped, due, f"refresh ({mode})")
     for step in steps:
         if any(id(u.delayed()) in due for u, _ in step._units() if u.delayed() is not None):
             step._synced_epoch = step._epoch
@@ -317,8 +339,8 @@ def _before_forward_eager(module: nn.Module) -> None:
     if hooks[first] is not _before_forward:  # fully_shard prepended its root hook: go first
         key = next(k for k, h in hooks.items() if h is _before_forward)
         cast(OrderedDict, hooks).move_to_end(key, last=False)
-    if not (module.training and torch.is_grad_enabled()):
-        return  # an evaluation forward never starts a collective
+    if not is_training_forward(module):
+        return  # an evaluation forward (or pipelining's shape inference) starts no collective
     step = _STEP_OF.get(module) or float8_step(module)  # a deep copy has no step yet
     if not step._enabled:
         return

@@ -44,7 +44,7 @@ from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState  # noqa: E402
-from fsdp_float8.fsdp.step import float8_step as _enable_float8_step  # noqa: E402
+from fsdp_float8.integrations.model_parts import enable_float8_steps  # noqa: E402
 from fsdp_float8.nn.linear import Float8Linear  # noqa: E402
 
 _SCALING_TYPES = ("dynamic", "delayed", "static")
@@ -175,12 +175,10 @@ class Float8Converter(QuantizationConverter):
 
 def float8_post_optimizer_build(optimizers, model_parts, parallel_dims=None) -> None:
     """The float8 step for a torchtitan run: `fsdp_float8.float8_step(part)` for each model
-    part that holds float8 layers (a refresh of precomputed weight scales and delayed state
+    part (pipeline stage) that holds float8 layers or experts (`enable_float8_steps`) (a refresh of precomputed weight scales and delayed state
     after each optimizer step, one collective per reduction group). Use as the model spec's
     `post_optimizer_build_fn`."""
-    for part in model_parts:
-        if any(isinstance(m, Float8Linear) for m in part.modules()):
-            _enable_float8_step(part)
+    enable_float8_steps(model_parts)
 
 
 # -- --override.imports: the stock configs, unchanged on disk ------------------------------

@@ -35,7 +35,7 @@ from fsdp_float8.core.gemms import (
     Gemm,
     Operand,
 )
-from fsdp_float8.fsdp.delayed_state import DelayedScalingState
+from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
 
@@ -259,8 +259,7 @@ class Float8Linear(nn.Linear):
             _refuse_dtype_mismatch(x.dtype, weight.dtype)
         with torch.autocast(x.device.type, enabled=False):
             delayed = self.delayed_scaling
-            training = self.training and torch.is_grad_enabled()
-            states = delayed.views(training) if delayed is not None else {}
+            states = delayed.views(is_training_forward(self)) if delayed is not None else {}
             out = _Float8LinearFn.apply(
                 x, weight, self.plan, states, self.config.save_input_in_float8
             )

@@ -5,7 +5,8 @@
 - a frozen second model is not refreshed after another model's optimizer step;
 - accelerate's FSDP2 re-mapping of optimizer parameters by `data_ptr()` of the local
   tensors finds one key per parameter, and every float8 weight trains;
-- `describe()` under FSDP2 says one collective per step; the measured count agrees.
+- `describe()` under FSDP2 says one collective per step; the measured count agrees; before
+  `fully_shard` on 2 ranks it says the count is known after sharding, not 0.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def test_evaluation_forward_on_one_rank_starts_no_collective(tmp_path):
 def _frozen_second_model(rank: int, world_size: int):
     mesh = cpu_mesh(world_size)
     trained, frozen = _mlp(TENSORWISE), _mlp(TENSORWISE, seed=1)
+    before = float8_step(trained).describe()  # not sharded yet: the groups are not known
     for m in (trained, frozen):
         fully_shard(m, mesh=mesh)
     frozen.requires_grad_(False)
@@ -91,14 +93,19 @@ def _frozen_second_model(rank: int, world_size: int):
             opt.step()
             opt.zero_grad()
         counts.append(scale_collectives(counter))
-    return counts, [p.collectives_per_step for p in plans]
+    return counts, [p.collectives_per_step for p in plans], before
 
 
 def test_frozen_second_model_is_not_refreshed_after_another_models_step(tmp_path):
-    for counts, planned in run_distributed(_frozen_second_model, 2, tmp_path, timeout_s=120):
+    for counts, planned, before in run_distributed(
+        _frozen_second_model, 2, tmp_path, timeout_s=120
+    ):
         # step 0: the two first-forward rank checks and the trained model's refresh
         assert counts[1:] == [1, 1, 1] and counts[0] <= 3, counts
         assert planned == [1, 1]
+        # before fully_shard on 2 ranks the count is unknown, not 0, and the text says why
+        assert before.collectives_per_step is None, before
+        assert "known after fully_shard" in str(before), str(before)
 
 
 def _accelerate_remap(rank: int, world_size: int):

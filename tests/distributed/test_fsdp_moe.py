@@ -1,4 +1,4 @@
-"""FSDP2 + float8 all-gather of 3-D expert weights (issue 14), on gloo.
+"""FSDP2 + float8 all-gather of 3-D expert weights, on gloo.
 
 A small MoE transformer (tests.models with a MoEArgs feed-forward) whose experts alone are
 float8 (the linears stay fp32, so the expert bytes stand out), trained for 6 steps:

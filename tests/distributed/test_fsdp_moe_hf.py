@@ -75,5 +75,5 @@ def test_qwen3_moe_float8_experts_track_bf16_for_20_steps(tmp_path):
     assert report["linears"] == 8  # q, k, v, o of 2 layers (lm_head kept out, router is hp)
     assert bf16[-1] < 0.8 * bf16[0]  # it learns
     tail = lambda xs: sum(xs[-5:]) / 5
-    # the issue's bar: within 2% of bf16 (rank 0's losses, mean of the last 5 steps)
+    # the project's bar: within 2% of bf16 (rank 0's losses, mean of the last 5 steps)
     assert abs(tail(fp8) - tail(bf16)) <= 0.02 * tail(bf16), (fp8, bf16)

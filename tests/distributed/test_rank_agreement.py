@@ -8,7 +8,9 @@ ranks. A short per-test timeout turns a hang (what the old code did) into a fail
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 from dataclasses import replace
 
 import pytest
@@ -152,7 +154,7 @@ def _error_of(fn, *args) -> str | None:
 
 
 def _never_converted(rank, world_size):
-    os.environ["FSDP_FLOAT8_RANK_WAIT_S"] = "5"
+    os.environ["FSDP_FLOAT8_RANK_WAIT_S"] = "5"  # a notice after 2.5 s, the error after 5
 
     def run():
         model = build_model(MLP)
@@ -161,14 +163,39 @@ def _never_converted(rank, world_size):
         shard(model, MLP, cpu_mesh(world_size))
         loss_of(model, MLP, batch(MLP, 0, rank, world_size)).backward()
 
-    return _error_of(run)
+    sys.stderr = io.StringIO()
+    return _error_of(run), sys.stderr.getvalue()
 
 
 def test_a_rank_that_never_converted_gets_an_error(tmp_path):
-    rank0, rank1 = run_distributed(_never_converted, 2, tmp_path, timeout_s=90)
+    (rank0, said0), (rank1, _) = run_distributed(_never_converted, 2, tmp_path, timeout_s=90)
     assert rank0 is not None and "ranks [1] of [0, 1], which never reached it" in rank0, rank0
     assert "convert_to_float8_training before fully_shard" in rank0
     assert rank1 is not None  # a Python error (the peer left), not a signal
+    # while it waits, rank 0 says once what for (the default wait is 30 minutes)
+    notices = [line for line in said0.splitlines() if "fsdp_float8: rank 0 is waiting" in line]
+    assert len(notices) == 1, said0
+    assert "for ranks [1] of [0, 1]" in notices[0] and "waiting up to 5 s" in notices[0]
+
+
+def _skipped_step(rank, world_size):
+    os.environ["FSDP_FLOAT8_RANK_WAIT_S"] = "5"
+    model = _one_step(rank, world_size, TENSORWISE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run():
+        if rank == 1:  # rank 0 skips the step (e.g. its own loss was not finite)
+            opt.step()  # the float8 step's refresh: rank 0 does not join it
+        loss_of(model, MLP, batch(MLP, 1, rank, world_size)).backward()
+
+    return _error_of(run)
+
+
+def test_an_optimizer_step_on_one_rank_only_gets_an_error(tmp_path):
+    rank0, rank1 = run_distributed(_skipped_step, 2, tmp_path, timeout_s=90)
+    assert rank1 is not None and "ranks [0] of [0, 1], which never reached it" in rank1, rank1
+    assert "refresh (after optimizer step)" in rank1 and "optimizer.step() that some" in rank1
+    assert rank0 is not None  # a Python error (the peer left), not gloo's abort
 
 
 def _one_rank_alone(rank, world_size, how):

@@ -18,6 +18,9 @@ was there before is still there afterwards (possibly under a ``.set_aside`` name
   older folder without a manifest that could load, and removes an interrupted save.
 - ``disk_full``: the disk check before a save (faked) stops both ranks with "No space left
   on device", the sizes, and the remedy; nothing is deleted.
+- ``file_size_limit``: a save under a 4 KiB file-size limit (``setrlimit(RLIMIT_FSIZE)``
+  in the rank's process, SIGXFSZ ignored) stops both ranks naming the limit, the failed
+  write and the remedy, not with DCP's raw error; nothing is deleted.
 """
 
 from __future__ import annotations
@@ -26,14 +29,22 @@ import argparse
 import contextlib
 import io
 import json
+import resource
 import shutil
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import f8train.checkpoint as checkpoint_module
-from f8train.checkpoint import MANIFEST, Checkpointer, ModelOptimizerState, dcp_problem
+from f8train.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    ModelOptimizerState,
+    dcp_problem,
+    free_bytes,
+)
 from f8train.resume import saved_settings_from_run_json
 from tests.distributed.launcher import run_distributed
 from tests.f8train.checkpoint_setup import find_resume_outcome, model_and_optimizer, resume_args
@@ -150,7 +161,31 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
         results["disk_full"] = {"stopped": str(stop)}
     dist.barrier()
     results["disk_full"]["unchanged"] = before == _files(ckpt.root)
+    checkpoint_module.free_bytes = free_bytes
+
+    ckpt = fresh("file_size_limit")
+    before = _files(ckpt.root)
+    results["file_size_limit"] = {"stopped": _save_under_file_size_limit(ckpt, model, opt)}
+    dist.barrier()
+    results["file_size_limit"]["kept"] = _same_files_maybe_renamed(before, _files(ckpt.root))
     return results
+
+
+def _save_under_file_size_limit(ckpt: Checkpointer, model, opt) -> str | None:
+    """A save while this rank's process may write files of at most 4 KiB (`ulimit -f 4`;
+    SIGXFSZ ignored, so a write past it fails with EFBIG instead of killing the process).
+    Runs in a `run_distributed` child only, and restores the limit after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        ckpt.save(4, {"app": ModelOptimizerState(model, opt)}, {"seed": 0})
+        return None
+    except SystemExit as stop:
+        return str(stop)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
 
 
 def test_loadable_checkpoints_are_never_deleted(tmp_path: Path) -> None:
@@ -204,3 +239,11 @@ def test_loadable_checkpoints_are_never_deleted(tmp_path: Path) -> None:
     assert "1000 B free" in stop and "Free space on that disk" in stop
     assert f"resume from {root / 'disk_full' / 'checkpoints' / 'step_00000003'}" in stop
     assert r["disk_full"]["unchanged"]
+
+    stop = r["file_size_limit"]["stopped"]  # was DCP's raw CheckpointException
+    assert stop is not None and "could not write checkpoint step 4" in stop, stop
+    assert "file-size limit (4.0 KiB, ulimit -f)" in stop and "ulimit -f unlimited" in stop
+    assert "OSError: [Errno 27] File too large" in stop and "Traceback" not in stop
+    latest = root / "file_size_limit" / "checkpoints" / "step_00000003"
+    assert f"resume from {latest}" in stop and "No checkpoint was deleted" in stop
+    assert r["file_size_limit"]["kept"]

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from f8train.data import TokenBatcher, TokenData, ValidationBatches, load_tokens, stdlib_files
+from f8train.data import (
+    TokenBatcher,
+    TokenData,
+    ValidationBatches,
+    default_cache_dir,
+    load_tokens,
+    stdlib_files,
+)
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +179,21 @@ def test_errors(tmp_path: Path) -> None:
         TokenBatcher(tokens, seq_len=8, global_batch=4, rank=2, world_size=2)
     with pytest.raises(ValueError, match="holds 0 batches"):
         ValidationBatches(tokens, seq_len=30, global_batch=4)
+
+
+def test_cache_dir_default_follows_the_environment(tmp_path: Path, monkeypatch) -> None:
+    """The token cache's folder: FSDP_FLOAT8_CACHE_DIR, else $XDG_CACHE_HOME/fsdp_float8,
+    else ~/.cache/fsdp_float8; the trainer's --cache-dir help names the one in effect."""
+    monkeypatch.delenv("FSDP_FLOAT8_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert default_cache_dir() == Path.home() / ".cache" / "fsdp_float8"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "fsdp_float8"
+    monkeypatch.setenv("FSDP_FLOAT8_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    small = tmp_path / "folder"
+    small.mkdir()
+    (small / "a.txt").write_text("hello " * 100)
+    data = load_tokens(small)
+    assert data.cache == next((tmp_path / "mine").glob("dir-folder-*.u16.bin"))
+    assert load_tokens(small / "a.txt").cache is None  # a file is read in place

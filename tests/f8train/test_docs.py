@@ -1,19 +1,25 @@
 """The documents a user reads: README.md stays short, every relative link in README.md and
 docs/*.md resolves (file and, when given, heading anchor), and every `make`, `python -m`
 and `torchrun` command in their code (fenced or inline) names a make
-target that exists and only flags that the target's `--help` lists."""
+target that exists and only flags that the target's `--help` lists; the README's Install and
+Run blocks run as written in a fresh shell."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import io
+import os
 import re
 import shlex
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from tests.f8train.launch import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -142,3 +148,66 @@ def test_named_files_and_tests_exist(doc):
         elif test and not re.search(rf"def {re.escape(test.split('[')[0])}\(", file.read_text()):
             missing.append(code)
     assert missing == [], f"{doc.name} names paths or tests that do not exist"
+
+
+# The README's Install and Run blocks, run as a new user would: a fresh `bash` (no venv on
+# PATH) that follows the Install block's words, then each line of the Run block in turn,
+# in one working folder, so the bf16 baseline runs right after the float8 run. `make ...`
+# lines are what built the venv running these tests; `.venv` in a line stands for that
+# venv (the extras and other-torch lanes run in their own). The default lane appends the
+# cheapest flags to each training line; the slow test runs them as written.
+CHEAP = (*TINY, "--steps", "2", "--val-every", "0")
+
+
+def _fenced_block_after(heading: str) -> list[str]:
+    """The lines of the first ```bash block under `## heading`, comments cut."""
+    text = (REPO / "README.md").read_text()
+    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S)
+    assert block, f"README.md: no ```bash block under ## {heading}"
+    lines = [line.split(" #")[0].strip() for line in block[1].replace("\\\n", " ").splitlines()]
+    return [line for line in lines if line]
+
+
+def _readme_shell(line: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    venv = Path(sys.prefix)
+    setup = [s for s in _fenced_block_after("Install") if not s.startswith("make ")]
+    script = " && ".join([*setup, line]).replace(".venv/", f"{venv}/")
+    keep = ("HOME", "PYTHONPATH", "FSDP_FLOAT8_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR")
+    env = {k: os.environ[k] for k in keep if k in os.environ} | {"PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _run_readme_block(tmp_path: Path, extra: tuple[str, ...], timeout: float) -> list[str]:
+    outputs = []
+    for line in _fenced_block_after("Run"):
+        trains = " -m f8train.train" in line and "--help" not in line
+        result = _readme_shell(f"{line} {shlex.join(extra)}" if trains else line, tmp_path, timeout)
+        assert result.returncode == 0, f"README line failed: {line}\n{result.stderr[-3000:]}"
+        outputs.append(result.stdout + result.stderr)
+    return outputs
+
+
+def _check_readme_runs(tmp_path: Path, outputs: list[str]) -> None:
+    lines = _fenced_block_after("Run")
+    float8 = next(i for i, line in enumerate(lines) if line.endswith("-m f8train.train"))
+    assert lines[float8 + 1].endswith("-m f8train.train --recipe off"), lines  # right after
+    for recipe in ("tensorwise", "off"):
+        assert (tmp_path / "runs" / f"train-{recipe}" / "summary.json").exists(), recipe
+    assert "token cache: " in outputs[float8], outputs[float8]
+
+
+def test_readme_run_block_runs_as_written_in_a_fresh_shell(tmp_path):
+    _check_readme_runs(tmp_path, _run_readme_block(tmp_path, CHEAP, timeout=300))
+
+
+@pytest.mark.slow
+def test_readme_run_block_runs_as_written_in_a_fresh_shell_slow(tmp_path):
+    _check_readme_runs(tmp_path, _run_readme_block(tmp_path, (), timeout=1800))

@@ -135,3 +135,14 @@ def test_block_all_gather_misfits_are_named_before_training(tmp_path: Path, monk
     args = train.parse_args([*TINY, "--recipe", "mxfp8", "--out", str(out)])
     config = train.float8_config(args)
     assert train.block_all_gather_problem(args, config, 1, resuming=False) is None
+
+
+def test_default_out_is_one_folder_per_recipe(tmp_path: Path, monkeypatch) -> None:
+    """The float8 run and its bf16 baseline, both with the default --out, do not share a
+    folder (the second would find the first's checkpoint and refuse to resume it); an
+    explicit --out is kept as given."""
+    monkeypatch.chdir(tmp_path)
+    assert parse_args([]).out == "runs/train-tensorwise"
+    assert parse_args(["--recipe", "off"]).out == "runs/train-off"
+    assert parse_args(["--recipe", "mxfp8"]).out == "runs/train-mxfp8"
+    assert parse_args(["--recipe", "off", "--out", "mine"]).out == "mine"

@@ -17,7 +17,7 @@ import pytest
 from f8train import data as corpus
 from f8train import run_control
 from f8train.data import load_tokens
-from f8train.train_args import parse_args
+from f8train.train_args import build_parser, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,3 +153,16 @@ def test_compare_runs_on_a_missing_folder_is_an_error_naming_it(tmp_path: Path) 
         assert result.returncode == 2, result
         assert f"--runs {bad}: {why}" in result.stderr, result.stderr
         assert "| -" not in result.stdout
+
+
+def test_trainer_doc_states_the_smallest_corpus_the_checks_accept() -> None:
+    """docs/trainer.md's minimum corpus sizes are the ones the argument check computes."""
+    text = " ".join((REPO / "docs" / "trainer.md").read_text().split())
+    d = build_parser().parse_args([])
+    shape = dict(seq_len=d.seq_len, global_batch=d.global_batch)
+    at_defaults = corpus.min_corpus_tokens(
+        val_fraction=d.val_fraction, val_batches=d.val_batches, **shape
+    )
+    small = corpus.min_corpus_tokens(val_fraction=0.1, val_batches=1, **shape)
+    assert f"a corpus needs {at_defaults:,} tokens" in text
+    assert f"`--val-fraction 0.1 --val-batches 1`, {small:,})" in text

@@ -143,3 +143,38 @@ def test_collective_failure_messages_name_the_flag_or_the_peer() -> None:
     text = collective_failure_message(err, 0, 3.0)
     assert text.startswith("rank 0: a collective failed because another rank closed its")
     assert collective_failure_message(RuntimeError("size mismatch"), 0, 3.0) is None
+
+
+def test_a_batch_the_ranks_cannot_split_names_the_way_to_resume(monkeypatch, tmp_path) -> None:
+    # a 2-rank run (--global-batch 16) resumed on 3 ranks: stopped before any process group,
+    # with the batches that split and the flag that accepts the change
+    from f8train.train import main
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000004" / "manifest.json").write_text("{}")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as stop:
+        main(["--global-batch", "16", "--out", str(out), "--device", "cpu"])
+    text = str(stop.value)
+    assert "--global-batch 16 is not divisible by the 3 data-parallel ranks" in text, text
+    assert "e.g. 15 or 18" in text and "add --allow-batch-change to resume" in text
+
+
+def test_another_global_batch_is_accepted_on_resume_with_the_flag() -> None:
+    from f8train.data import TokenBatcher
+
+    old, new = _settings("--global-batch", "16"), _settings("--global-batch", "15")
+    lines = resume_conflicts(old, new, allow_recipe_change=False)
+    assert lines == ["--global-batch: checkpoint 16, this run 15"]
+    assert "--allow-batch-change accepts another --global-batch" in refusal("c", lines, "r", False)
+    assert resume_conflicts(old, new, allow_recipe_change=False, allow_batch_change=True) == []
+    assert parse_args(["--allow-batch-change"]).allow_batch_change
+    tokens = np.arange(10_000, dtype=np.uint16)
+    saved = TokenBatcher(tokens, seq_len=8, global_batch=16, world_size=2).state_dict()
+    saved["step"] = 4
+    resumed = TokenBatcher(tokens, seq_len=8, global_batch=15, world_size=3, batch_change=True)
+    resumed.load_state_dict(saved)  # continues at step 4, 5 rows per rank
+    assert resumed.step == 4 and next(resumed)[0].shape == (5, 8)
+    with pytest.raises(ValueError, match="global_batch=16"):
+        TokenBatcher(tokens, seq_len=8, global_batch=15, world_size=3).load_state_dict(saved)

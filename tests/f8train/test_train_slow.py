@@ -1,5 +1,6 @@
 """Slower launches of ``f8train.train`` (``pytest -m slow``): restart after a crash, SIGTERM,
-a non-finite loss, a recipe change on resume, resharding to 4 ranks, float8 (tensorwise,
+a non-finite loss, a recipe change on resume, resharding to 4 ranks, resuming a 2-rank run
+on 3 ranks with another --global-batch, float8 (tensorwise,
 blockwise, mxfp8) vs bf16 validation loss, compare.py."""
 
 from __future__ import annotations
@@ -98,9 +99,7 @@ def test_recipe_change_is_refused_then_allowed_by_the_flag(reference: Path, tmp_
     assert "--allow-recipe-change accepts" in refused.stderr, output_of(refused)
     result = train(out, *SHORT, "--recipe", "rowwise", "--allow-recipe-change")
     assert result.returncode == 0, output_of(result)
-    assert "changed on resume (--allow-recipe-change): --recipe: checkpoint tensorwise" in (
-        result.stdout
-    )
+    assert "changed on resume: --recipe: checkpoint tensorwise" in (result.stdout)
     expected = {r["step"]: r["loss"] for r in metrics(reference)}
     got = metrics(out)
     assert [r["step"] for r in got] == [5, 6, 7, 8]
@@ -185,3 +184,23 @@ def test_compare_writes_table_and_plot(tmp_path: Path) -> None:
         assert "matplotlib is not installed" in done.stdout
     else:
         assert (out / "loss_curves.png").stat().st_size > 0
+
+
+def test_a_two_rank_run_resumes_on_three_ranks_with_another_batch(
+    reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "three"
+    name = "step_00000004"
+    shutil.copytree(reference / "checkpoints" / name, out / "checkpoints" / name)
+    refused = train(out, *SHORT, nproc=3)  # --global-batch 8 over 3 ranks
+    assert refused.returncode != 0
+    assert "add --allow-batch-change to resume" in refused.stderr, output_of(refused)
+    result = train(out, *SHORT, "--global-batch", "9", "--allow-batch-change", nproc=3)
+    assert result.returncode == 0, output_of(result)
+    assert "changed on resume: --global-batch: checkpoint 8, this run 9" in result.stdout
+    got = metrics(out)
+    assert [r["step"] for r in got] == [5, 6, 7, 8]
+    # other batches from step 5 on, so no loss equality: the loaded weights train on when
+    # step 5's loss is nearer the reference's step 5 than its step 1 (fresh weights)
+    ref = {r["step"]: r["loss"] for r in metrics(reference)}
+    assert abs(got[0]["loss"] - ref[5]) < abs(got[0]["loss"] - ref[1]), (got[0], ref)

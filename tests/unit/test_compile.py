@@ -105,8 +105,8 @@ def test_delayed_compiles_one_graph_for_any_number_of_micro_batches():
     for layer in (model[0], model[2]):
         # dynamic=False: the second layer's other shape would make dynamo recompile with
         # dynamic shapes, which torch 2.11's dynamo cannot trace through the autograd
-        # function (AssertionError in overwrite_tensor_vt_proxy; the code before this
-        # session alike). One static graph per layer shape is what this test counts.
+        # function (AssertionError in overwrite_tensor_vt_proxy, whatever the layer's
+        # code). One static graph per layer shape is what this test counts.
         layer.compile(backend=counter, fullgraph=True, dynamic=False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     graphs = []

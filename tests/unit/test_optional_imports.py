@@ -1,5 +1,5 @@
 """`import fsdp_float8` survives a torch that renamed a private API used by one optional
-feature; the package has no numpy dependency; `fsdp_float8.__version__` (issue 17 'Also')."""
+feature; the package has no numpy dependency; `fsdp_float8.__version__`."""
 
 from __future__ import annotations
 

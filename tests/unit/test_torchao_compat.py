@@ -1,4 +1,4 @@
-"""Switching from torchao.float8 is a change of import (issue 17 part 3).
+"""Switching from torchao.float8 is a change of import.
 
 torchao's README example and a torchtitan-style converter sequence run unchanged with
 `fsdp_float8` imports; configs take torchao's positional fields and resolve as torchao

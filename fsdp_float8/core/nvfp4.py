@@ -1,0 +1,327 @@
+"""NVFP4 numerics: the e2m1 cast, two-level scales, the emulated GEMM and the Hadamard transform.
+
+Mental model. An NVFP4 tensor is 4-bit e2m1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6;
+a sign bit), two per byte, times two dequantization factors: one e4m3 per block of 16
+elements (1x16 along the contraction dim for activations and gradients, 16x16 tiles for
+weights) and one float32 for the whole tensor. Both factors *dequantize* (hp ~= e2m1 *
+block_inv_scale * tensor_inv_scale), the `inv_scale` of `fsdp_float8.core.float8_tensor`:
+an e4m3 block factor is what a Blackwell block-scaled GEMM multiplies by, and its reciprocal
+is not an e4m3 value.
+
+Scales (amax = the tensor's max |x|, an input, so FSDP ranks holding shards pass the
+MAX-reduced amax of the whole weight and all quantize alike):
+- tensor_inv_scale = max(amax, TENSOR_AMAX_FLOOR) / (6 * 448), float64 math, stored float32.
+  It maps the tensor's amax to the top of e4m3 times the top of e2m1: a block whose amax is
+  the tensor's gets the block factor 448, and every other block a factor in e4m3's range.
+  The floor keeps it at least 2^-117, so a block factor (>= 2^-9) times it is a normal
+  float32 (an all-zero tensor quantizes to zeros with this factor).
+- block_inv_scale = block_amax / (6 * tensor_inv_scale) (float64 math, then float32),
+  clamped to [2^-9, 448] and made e4m3 (2^-9: e4m3's smallest subnormal, so no block factor
+  is 0 and a block with a tiny amax keeps what precision it can). Round-to-nearest casts
+  take the nearest e4m3 value (the best SQNR; the block's largest element may then scale up
+  to 6 * (1 + 1/16) for a normal factor, and saturate to 6). Stochastic casts round the
+  factor *up* to the next e4m3 value, so no element saturates (up to float32 rounding of
+  the divisor) and the cast is unbiased for every element. Rounding up costs round-to-
+  nearest casts SQNR (randn 256x1024 in 1x16 blocks, torch 2.13 CPU: 20.43 dB with the
+  nearest factor, 19.97 dB rounded up), so only stochastic casts do it.
+  The clamp at 448 acts only when the amax passed is below a block's own (a caller's stale
+  amax): that block saturates, as the float8 casts do.
+- the element cast sees x / float32(block_inv_scale * tensor_inv_scale), clamped to [-6, 6].
+
+Rounding: to nearest, ties to the even code (the mantissa bit 0), or stochastic (round up
+with probability equal to the distance from the lower neighbour over the gap, from a
+`torch.Generator`: unbiased, reproducible). Zero keeps its sign (-0.0 is code 0b1000, as is
+a negative value that rounds to zero). Non-finite policy: e2m1 has no inf or NaN. The raw
+cast saturates +-inf to +-6 and maps NaN to +0; `quantize` carries them in the scales: a
+block holding inf or NaN gets a NaN block factor and dequantizes to NaN entirely, and a
+non-finite amax makes the tensor factor non-finite, so the whole tensor dequantizes to NaN
+(nothing is silently finite).
+
+Packing: element 2i in the low nibble, 2i+1 in the high nibble of byte i along the last dim,
+the layout of `torch.float4_e2m1fn_x2` (`as_float4` views the bytes as that dtype).
+
+16x16 tiles are transpose-invariant: `transposed(quantize(W))` equals `quantize(W.T)` bit
+for bit, so one quantized weight serves the forward (contracting W's columns) and the
+grad_input GEMM (contracting its rows).
+
+Random Hadamard transform (RHT): R = D @ H / 4, D a seeded random +-1 diagonal and H the
+16x16 Sylvester Hadamard matrix, applied to each run of 16 elements along the last dim.
+R is orthogonal, so (a R)(b R)^T = a b^T: applied along the contraction dim of both
+operands of a GEMM (grad_weight's token dim) it leaves the product unchanged while spreading
+outliers across each block before the cast.
+
+All-gather payload: packed nibbles plus one e4m3 byte per block, 0.5 + 1/256 bytes per
+element for 16x16 tiles and 0.5 + 1/16 for 1x16 (`bytes_per_element`), plus one float32
+per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_float8.core.blocks import Block, expand_block_scale, scale_shape
+from fsdp_float8.core.scaling import block_amax
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3 = torch.float8_e4m3fn
+FLOAT4 = torch.float4_e2m1fn_x2
+ACTIVATION_BLOCK: Block = (1, 16)  # activations and gradients: along the contraction dim
+WEIGHT_BLOCK: Block = (16, 16)  # weights: one tile serves both of a weight's GEMMs
+BLOCKS = (ACTIVATION_BLOCK, WEIGHT_BLOCK)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 is the sign
+BLOCK_INV_SCALE_MIN = 2.0**-9  # e4m3's smallest subnormal
+TENSOR_AMAX_FLOOR = E2M1_MAX * E4M3_MAX * 2.0**-117  # tensor_inv_scale >= 2^-117
+RHT_SIZE = 16
+
+# the midpoints between neighbouring magnitudes; crossing midpoint i moves code i to i + 1
+_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
+
+
+def _table(device: torch.device) -> torch.Tensor:
+    """float32 value of each of the 16 codes (code 8 is -0.0)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
+    return torch.cat([mags, -mags])
+
+
+# ------------------------------------------------------------------------ the e2m1 cast
+
+
+def _rne_magnitude_codes(mag: torch.Tensor) -> torch.Tensor:
+    """Nearest magnitude code, ties to the even code; > 6 and inf give 7, NaN gives 0."""
+    code = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    for i, mid in enumerate(_MIDPOINTS):
+        # a tie at midpoint i belongs to the even one of codes i and i + 1
+        code += (mag >= mid) if i % 2 else (mag > mid)
+    return code
+
+
+def _stochastic_magnitude_codes(mag: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The lower neighbour's code, plus 1 with probability (mag - lower) / gap. The
+    difference and the division are exact in float32 (Sterbenz; the gaps are powers of two),
+    and `torch.rand` draws multiples of 2^-24, so the bias is below 2^-24 of a gap."""
+    if generator.device.type != mag.device.type:
+        raise ValueError(
+            f"stochastic rounding of a tensor on {mag.device} got a generator on "
+            f"{generator.device}; pass torch.Generator(device={str(mag.device)!r})"
+        )
+    lower = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    for m in E2M1_MAGNITUDES[1:]:
+        lower += mag >= m
+    table = _table(mag.device)
+    lo = table[lower.long()]
+    gap = table[(lower.long() + 1).clamp(max=7)] - lo
+    frac = torch.where(gap > 0, (mag - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    draw = torch.rand(mag.shape, generator=generator, device=mag.device)
+    return lower + (draw < frac).to(torch.uint8)
+
+
+def e2m1_codes(y: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """uint8 e2m1 codes (0..15, sign in bit 3), one per element of a float32 `y` already
+    scaled into [-6, 6] (beyond it saturates). Round to nearest even, or stochastically
+    with `generator`. See the module docstring for zeros and non-finite values."""
+    if y.dtype != torch.float32:
+        raise TypeError(f"e2m1_codes takes float32, got {y.dtype}; convert with .float()")
+    mag = y.abs()
+    if generator is None:
+        code = _rne_magnitude_codes(mag)
+    else:
+        code = _stochastic_magnitude_codes(mag, generator)
+    negative = torch.signbit(y) & ~torch.isnan(y)
+    return code | (negative.to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of uint8 codes (exact)."""
+    return _table(codes.device)[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Codes (..., n) -> uint8 (..., n / 2): element 2i in the low nibble of byte i."""
+    if codes.shape[-1] % 2:
+        raise ValueError(
+            f"packing two e2m1 codes per byte needs an even last dim, got shape "
+            f"{tuple(codes.shape)}; pad the last dim to a multiple of 2"
+        )
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., n / 2) -> codes (..., n), the inverse of `pack_e2m1`."""
+    pairs = torch.stack([packed & 0xF, packed >> 4], dim=-1)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def as_float4(packed: torch.Tensor) -> torch.Tensor:
+    """The packed bytes viewed as `torch.float4_e2m1fn_x2` (same layout; no copy)."""
+    return packed.view(FLOAT4)
+
+
+# ------------------------------------------------------------------------ two-level scales
+
+
+@dataclass(frozen=True)
+class NVFP4:
+    """A quantized tensor: `packed` uint8 (..., R, C / 2), `block_inv_scale` e4m3 with one
+    entry per `block` of the (..., R, C) tensor, `tensor_inv_scale` a 0-d float32. Both
+    scales dequantize (the module docstring)."""
+
+    packed: torch.Tensor
+    block_inv_scale: torch.Tensor
+    tensor_inv_scale: torch.Tensor
+    block: Block
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.packed.shape[:-1], 2 * self.packed.shape[-1]))
+
+
+def tensor_inv_scale(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax, TENSOR_AMAX_FLOOR) / (6 * 448): float64 math, 0-d float32. NaN stays NaN."""
+    amax64 = amax.detach().reshape(()).to(torch.float64)
+    return (amax64.clamp(min=TENSOR_AMAX_FLOOR) / (E2M1_MAX * E4M3_MAX)).to(torch.float32)
+
+
+def _e4m3_round_up(s: torch.Tensor) -> torch.Tensor:
+    """s (float32, in [2^-9, 448]) as the smallest e4m3 value >= s; NaN stays NaN."""
+    nearest = s.to(E4M3)
+    below = nearest.to(torch.float32) < s  # positive e4m3 bit patterns are monotone
+    return (nearest.view(torch.uint8) + below.to(torch.uint8)).view(E4M3)
+
+
+def block_inv_scales(
+    block_amaxes: torch.Tensor, tensor_inv: torch.Tensor, *, round_up: bool = False
+) -> torch.Tensor:
+    """e4m3 block factors: block_amax / (6 * tensor_inv) within [2^-9, 448], the nearest
+    e4m3 value or (`round_up`) the next one up; NaN for a non-finite block amax."""
+    s = block_amaxes.to(torch.float64) / (E2M1_MAX * tensor_inv.to(torch.float64))
+    s = s.to(torch.float32).clamp(min=BLOCK_INV_SCALE_MIN, max=E4M3_MAX)
+    s = torch.where(torch.isfinite(block_amaxes), s, torch.nan)
+    return _e4m3_round_up(s) if round_up else s.to(E4M3)
+
+
+def _check_quantize(x: torch.Tensor, amax: torch.Tensor, block: Block) -> None:
+    if block not in BLOCKS:
+        raise ValueError(
+            f"NVFP4 blocks are {ACTIVATION_BLOCK} (activations, gradients) or "
+            f"{WEIGHT_BLOCK} (weights), got {block!r}"
+        )
+    if not x.is_floating_point() or x.dim() < 2 or x.shape[-1] % 2:
+        raise ValueError(
+            f"NVFP4 quantizes a floating tensor of >= 2 dims with an even last dim, got "
+            f"{x.dtype} of shape {tuple(x.shape)}; reshape to (rows, cols) or pad cols"
+        )
+    if not isinstance(amax, torch.Tensor) or amax.numel() != 1 or not amax.is_floating_point():
+        raise TypeError(
+            f"amax must be a one-element floating tensor (max |x| of the whole tensor, "
+            f"MAX-reduced over ranks holding shards), got {amax!r}"
+        )
+    if amax.device != x.device:
+        raise ValueError(f"amax is on {amax.device} but x on {x.device}; move it to x's")
+
+
+def quantize(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    block: Block = ACTIVATION_BLOCK,
+    *,
+    generator: torch.Generator | None = None,
+) -> NVFP4:
+    """x (..., R, C) in blocks of `block` along its last two dims (a partial last block
+    counts as zero-padded), with the tensor factor of `amax`; stochastic rounding with
+    `generator` (block factors rounded up), else round to nearest even (nearest factors)."""
+    _check_quantize(x, amax, block)
+    hp = x.detach().to(torch.float32)
+    tensor_inv = tensor_inv_scale(amax)
+    amaxes = block_amax(hp, block)
+    block_inv = block_inv_scales(amaxes, tensor_inv, round_up=generator is not None)
+    per_element = expand_block_scale(block_inv.to(torch.float32) * tensor_inv, block, hp.shape)
+    codes = e2m1_codes(hp / per_element, generator=generator)
+    return NVFP4(pack_e2m1(codes), block_inv, tensor_inv, block)
+
+
+def dequantize(q: NVFP4) -> torch.Tensor:
+    """float32 (e2m1 * block factor, exact) * tensor factor: one rounding per element."""
+    values = e2m1_values(unpack_e2m1(q.packed))
+    block_inv = expand_block_scale(q.block_inv_scale.to(torch.float32), q.block, values.shape)
+    return (values * block_inv) * q.tensor_inv_scale
+
+
+def transposed(q: NVFP4) -> NVFP4:
+    """The quantized transpose of a square-tiled tensor: codes and tile factors transposed
+    (exact), equal to quantizing the transpose."""
+    if q.block[0] != q.block[1]:
+        raise ValueError(
+            f"only square tiles are transpose-invariant, got {q.block}; quantize the "
+            f"transpose itself, or quantize with block={WEIGHT_BLOCK}"
+        )
+    codes = unpack_e2m1(q.packed).transpose(-2, -1)
+    block_inv = q.block_inv_scale.transpose(-2, -1).contiguous()
+    return NVFP4(pack_e2m1(codes.contiguous()), block_inv, q.tensor_inv_scale, q.block)
+
+
+def emulated_mm(a: NVFP4, b: NVFP4, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T, both quantized along K (their last dim, as `F.linear`'s input
+    and weight): each dequantized to float32, one float32 matmul, then `out_dtype`."""
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"emulated_mm takes a (M, K) and b (N, K) with the same K, got {tuple(a.shape)} "
+            f"and {tuple(b.shape)}; quantize the right operand transposed"
+        )
+    return torch.mm(dequantize(a), dequantize(b).t()).to(out_dtype)
+
+
+# ------------------------------------------------------------------------ Hadamard transform
+
+
+def random_hadamard(generator: torch.Generator) -> torch.Tensor:
+    """R = D @ H / 4 (16x16 float32, orthogonal): D the diagonal of 16 random signs drawn
+    from `generator`, H the Sylvester Hadamard matrix."""
+    h = torch.ones(1, 1)
+    step = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    while h.shape[0] < RHT_SIZE:
+        h = torch.kron(step, h)
+    bits = torch.randint(0, 2, (RHT_SIZE,), generator=generator, device=generator.device)
+    signs = (1 - 2 * bits).to(torch.float32).cpu()
+    return signs[:, None] * h / math.sqrt(RHT_SIZE)
+
+
+def _in_runs(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    if matrix.shape != (RHT_SIZE, RHT_SIZE) or x.shape[-1] % RHT_SIZE:
+        raise ValueError(
+            f"the Hadamard transform takes a {RHT_SIZE}x{RHT_SIZE} matrix and a last dim "
+            f"divisible by {RHT_SIZE}, got {tuple(matrix.shape)} and {tuple(x.shape)}; "
+            "pad the contraction dim to a multiple of 16"
+        )
+    runs = x.reshape(*x.shape[:-1], x.shape[-1] // RHT_SIZE, RHT_SIZE)
+    return (runs @ matrix.to(runs.device, runs.dtype)).reshape(x.shape)
+
+
+def rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """Each run of 16 elements along the last dim times `matrix` (`random_hadamard`)."""
+    return _in_runs(x, matrix)
+
+
+def inverse_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """The inverse of `rht`: times the transpose (the matrix is orthogonal)."""
+    return _in_runs(x, matrix.t())
+
+
+# ------------------------------------------------------------------------ payload size
+
+
+def payload_bytes(shape: torch.Size | tuple[int, ...], block: Block) -> int:
+    """Bytes of one quantized tensor's all-gather payload: packed nibbles plus one e4m3 byte
+    per block (partial blocks count whole); the float32 tensor factor travels apart."""
+    *lead, rows, cols = shape
+    n_blocks = math.prod(scale_shape(tuple(shape), block))
+    return math.prod(lead) * rows * math.ceil(cols / 2) + n_blocks
+
+
+def bytes_per_element(block: Block) -> float:
+    """Payload bytes per element for shapes in whole blocks: 0.5 + 1 / (elements per block)
+    (16x16: 0.50390625; 1x16: 0.5625)."""
+    return 0.5 + 1 / (block[0] * block[1])

@@ -1,0 +1,36 @@
+"""Code, docs and tests describe the project, not how it was made: no issue numbers, no work
+sessions or rounds, no account of which machines the work had. What has run on a GPU is one
+status line in README.md, which this check leaves out."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = ("fsdp_float8", "f8train", "tests", "docs", "scripts")
+SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".toml"}
+NARRATION = re.compile(
+    r"\bissue \d+|\(issue\b|the issue's|\bthis (session|round)\b|\bround \d+\b|was lent"
+    r"|no GPU was|never run (here|so far|in this)|not yet run|\bNEVER RUN\b",
+    re.IGNORECASE,
+)
+
+
+def test_no_text_narrates_how_the_project_was_made():
+    found = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in SUFFIXES or path == Path(__file__).resolve():
+                continue
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if NARRATION.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+def test_the_pattern_finds_what_it_is_for():
+    for text in ("(issue 11 item 6)", "not yet run (no GPU was lent)", "this session alike"):
+        assert NARRATION.search(text), text
+    for text in ("the collective it issues", "round to nearest", "a helper function"):
+        assert not NARRATION.search(text), text

@@ -1,0 +1,31 @@
+"""FSDP_FLOAT8_RANK_WAIT_S: how long a rank waits at a float8 refresh for the others. A value
+that is not a finite number of seconds > 0 is a ValueError naming the variable and the range
+(a negative one waited with no output, 0 failed a healthy run, nan/inf/abc gave errors that
+did not name it); unset, the store's timeout applies."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from fsdp_float8.fsdp.rank_agreement import _wait_s
+
+
+@pytest.mark.parametrize("text", ["-5", "0", "nan", "inf", "-inf", "abc", ""])
+def test_a_bad_wait_is_refused_naming_the_variable(monkeypatch, text):
+    monkeypatch.setenv("FSDP_FLOAT8_RANK_WAIT_S", text)
+    with pytest.raises(ValueError) as e:
+        _wait_s(dist.HashStore())
+    msg = str(e.value)
+    assert f"FSDP_FLOAT8_RANK_WAIT_S={text!r}" in msg and "finite number of seconds > 0" in msg
+
+
+def test_a_good_wait_and_the_default(monkeypatch):
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=123))
+    monkeypatch.delenv("FSDP_FLOAT8_RANK_WAIT_S", raising=False)
+    assert _wait_s(store) == 123.0
+    monkeypatch.setenv("FSDP_FLOAT8_RANK_WAIT_S", "2.5")
+    assert _wait_s(store) == 2.5
