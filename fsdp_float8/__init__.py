@@ -14,6 +14,7 @@ torchao"). Optional features that lean on private torch APIs (`enable_float8_red
 
 import importlib
 import importlib.metadata
+from collections.abc import Callable
 
 import torch
 
@@ -42,13 +43,6 @@ from fsdp_float8.fsdp.step import (
     precompute_float8_dynamic_scale_for_fsdp,
     sync_float8_amax_and_scale_history,
 )
-from fsdp_float8.fsdp.weight_wrappers import (
-    BlockFloat8Weight,
-    DelayedFloat8Weight,
-    DynamicFloat8Weight,
-    StaticFloat8Weight,
-)
-from fsdp_float8.fsdp.weight_wrappers.base import _rebuild_weight_wrapper
 from fsdp_float8.nn.convert import (
     ConversionReport,
     convert_to_float8_training,
@@ -58,28 +52,46 @@ from fsdp_float8.nn.linear import Float8Linear
 from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
 from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
 from fsdp_float8.tools.telemetry import Float8Telemetry
+from fsdp_float8.weight_wrappers.base import _rebuild_weight_wrapper
+from fsdp_float8.weight_wrappers.wrap import (
+    BlockFloat8Weight,
+    DelayedFloat8Weight,
+    DynamicFloat8Weight,
+    StaticFloat8Weight,
+)
+
+
+def _old_wrapper_paths() -> list[tuple[Callable, str]]:
+    """(object, its path under `fsdp_float8.weight_wrappers`): checkpoints pickled before
+    the move name these `fsdp_float8.fsdp.weight_wrappers.<module>.<name>`."""
+    objects: list[Callable] = [DynamicFloat8Weight, BlockFloat8Weight, DelayedFloat8Weight]
+    objects += [StaticFloat8Weight, _rebuild_weight_wrapper]
+    paths = [(o, f"{o.__module__}.{o.__qualname__}") for o in objects]
+    return [(o, p.removeprefix("fsdp_float8.")) for o, p in paths]
+
 
 # checkpoints holding these load with torch.load(weights_only=True); a weight wrapper
 # pickles its config, so the config dataclasses and enums are safe globals too
-torch.serialization.add_safe_globals(
-    [
-        Float8Tensor,
-        _rebuild_float8_tensor,
-        DynamicFloat8Weight,
-        BlockFloat8Weight,
-        DelayedFloat8Weight,
-        StaticFloat8Weight,
-        _rebuild_weight_wrapper,
-        Float8LinearConfig,
-        CastConfig,
-        DelayedScalingConfig,
-        Float8GemmConfig,
-        ScalingType,
-        ScalingGranularity,
-        Operand,
-        Gemm,
-    ]
-)
+_SAFE_GLOBALS: list[Callable | tuple[Callable, str]] = [
+    Float8Tensor,
+    _rebuild_float8_tensor,
+    DynamicFloat8Weight,
+    BlockFloat8Weight,
+    DelayedFloat8Weight,
+    StaticFloat8Weight,
+    _rebuild_weight_wrapper,
+    Float8LinearConfig,
+    CastConfig,
+    DelayedScalingConfig,
+    Float8GemmConfig,
+    ScalingType,
+    ScalingGranularity,
+    Operand,
+    Gemm,
+]
+# the weight wrappers' module paths before they became a layer of their own
+_SAFE_GLOBALS += [(obj, f"fsdp_float8.fsdp.{path}") for obj, path in _old_wrapper_paths()]
+torch.serialization.add_safe_globals(_SAFE_GLOBALS)
 
 # torchao.float8 checkpoints (its float8 weight class pickled inside) load without torchao
 import fsdp_float8.float8.checkpoint  # noqa: E402,F401  (registers stand-ins for its classes)

@@ -4,6 +4,7 @@ inside functions and `TYPE_CHECKING` blocks included) and the circles of a graph
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 
@@ -61,3 +62,17 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+@functools.cache
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """Dotted module name -> the package's modules it imports, for every module under
+    `package` (a folder holding `__init__.py`)."""
+    files = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    known = set(files)
+    return {
+        module: (imported_names(path, module) & known) - {module} for module, path in files.items()
+    }

@@ -1,7 +1,7 @@
 """Float8 payloads: float8 bytes and their scales in one uint8 buffer, and the e8m0 convention.
 
-Mental model. Every float8 collective of the package (the rowwise and block-scaled weight
-all-gathers, the float8 gradient reduce-scatter) sends one `uint8` matrix of
+Mental model. The block-scaled weight all-gather and the float8 gradient reduce-scatter
+send one `uint8` matrix of
 `rows x (data_cols + scale_cols)` bytes: each row holds `data_cols` float8 bytes, then
 `scale_cols` bytes of scales. The scales of a *group* of rows (a weight row, an all-gather
 shard, a reduce-scatter chunk) are flattened row-major and laid over that group's rows,
@@ -9,6 +9,8 @@ zero-padded to whole rows; `PayloadLayout` is the format, `encode` / `data` / `s
 codec. One buffer, because at shard size 1 FSDP2 hands the post-all-gather hook only the
 first input, because on CUDA nothing made on the all-gather copy-in stream then outlives
 the all-gather output, and because gloo rejects float8 dtypes (the bytes go as uint8).
+(The rowwise weight all-gather sends its data and its float32 row scales as two inputs
+instead, so the gathered data is contiguous for the GEMM: `weight_wrappers/gather.py`.)
 
 Scales travel as float32 (4 bytes, exact) or as e8m0 (1 byte, for power-of-two scales), in
 ONE e8m0 convention, MX's: the byte is the biased exponent (bias 127) of the dequantization

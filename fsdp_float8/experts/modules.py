@@ -31,8 +31,8 @@ from torch import nn
 from fsdp_float8.core._compat import probe_device
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.experts.gemm import ExpertCastPlan, check_expert_config, float8_grouped_mm
-from fsdp_float8.fsdp.weight_wrappers import wrap_weight
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
+from fsdp_float8.weight_wrappers.wrap import wrap_weight
 
 _TITAN = ("w1", "w2", "w3")
 _FUSED = ("gate_up_proj", "down_proj")
@@ -126,6 +126,11 @@ def to_float8_experts(module: nn.Module, config: Float8LinearConfig) -> Float8Ex
 class Float8ExpertsBase(nn.Module):
     layout: str
     weight_names: tuple[str, ...]
+
+    @property
+    def float8_weight_names(self) -> tuple[str, ...]:
+        """What the float8 step asks (`fsdp_float8.fsdp.refresh.Float8Module`)."""
+        return self.weight_names
 
     def _setup(self, source: nn.Module, config: Float8LinearConfig) -> None:
         self.config = config

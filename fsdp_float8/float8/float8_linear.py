@@ -13,10 +13,10 @@ from fsdp_float8.float8.float8_training_tensor import (
     LinearMMConfig,
     ScaledMMConfig,
 )
-from fsdp_float8.fsdp.weight_wrappers.dynamic import (
+from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.weight_wrappers.dynamic import (
     DynamicFloat8Weight as WeightWithDynamicFloat8CastTensor,
 )
-from fsdp_float8.nn.linear import Float8Linear
 
 __getattr__ = module_getattr(__name__, {"matmul_with_hp_or_float8_args": INTERNAL})
 

@@ -15,7 +15,7 @@ from fsdp_float8.float8.float8_training_tensor import (
 )
 from fsdp_float8.float8.float8_utils import EPS
 from fsdp_float8.fsdp.step import precompute_float8_dynamic_scale_for_fsdp
-from fsdp_float8.fsdp.weight_wrappers.dynamic import (
+from fsdp_float8.weight_wrappers.dynamic import (
     DynamicFloat8Weight as WeightWithDynamicFloat8CastTensor,
 )
 

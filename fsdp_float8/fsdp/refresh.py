@@ -22,7 +22,9 @@ What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,14 +34,27 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, group_of
 from fsdp_float8.core.config import Operand
 from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
-from fsdp_float8.experts.modules import Float8ExpertsBase
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import fingerprint, handshake
-from fsdp_float8.fsdp.weight_wrappers import DynamicFloat8Weight, Float8WeightWrapper
-from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
+from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
 
 _SLOTS = (Operand.WEIGHT, Operand.INPUT, Operand.GRAD_OUTPUT)  # then ran, -ran
 _checked: weakref.WeakSet = weakref.WeakSet()  # modules whose ranks were found to agree
+
+
+class Float8Module(Protocol):
+    """What the float8 step asks a module, instead of checking its class (so `fsdp/` imports
+    neither `nn/` nor `experts/`): the names of its float8-cast weights (`Float8Linear`:
+    `("weight",)`; float8 experts: each 3-D weight). A float8 linear also holds its delayed
+    state as `delayed_scaling` (None without delayed scaling)."""
+
+    float8_weight_names: tuple[str, ...]
+
+
+def float8_weight_names(module: nn.Module) -> tuple[str, ...] | None:
+    """The module's float8-cast weights, or None for a module the float8 step only counts."""
+    return getattr(module, "float8_weight_names", None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +64,7 @@ class Unit:
     fqn: str  # the parameter's name in the model, e.g. "layers.0.attention.wq.weight"
     module: nn.Module
     name: str
+    float8: bool = False  # a weight of a `Float8Module`
 
     @property
     def layer(self) -> str:
@@ -58,10 +74,6 @@ class Unit:
     @property
     def param(self) -> torch.Tensor:
         return getattr(self.module, self.name)
-
-    @property
-    def float8(self) -> bool:
-        return isinstance(self.module, (Float8Linear, Float8ExpertsBase))
 
     def dynamic_weight(self) -> DynamicFloat8Weight | None:
         """The wrapper of a dynamic tensorwise float8-gathered weight (a precomputed scale)."""
@@ -74,18 +86,20 @@ class Unit:
         return None
 
     def delayed(self) -> DelayedScalingState | None:
-        return self.module.delayed_scaling if isinstance(self.module, Float8Linear) else None
+        return getattr(self.module, "delayed_scaling", None) if self.float8 else None
 
 
 def units_of(model: nn.Module) -> list[Unit]:
-    """Every nn.Linear weight and float8 expert weight of `model`, in module order."""
+    """Every weight a `Float8Module` names and every other nn.Linear weight of `model`, in
+    module order."""
     units = []
     for fqn, m in model.named_modules():
         prefix = f"{fqn}." if fqn else ""
-        if isinstance(m, nn.Linear):
+        names = float8_weight_names(m)
+        if names is not None:
+            units += [Unit(prefix + n, m, n, float8=True) for n in names]
+        elif isinstance(m, nn.Linear):
             units.append(Unit(prefix + "weight", m, "weight"))
-        elif isinstance(m, Float8ExpertsBase):
-            units += [Unit(prefix + n, m, n) for n in m.weight_names]
     return units
 
 
@@ -112,8 +126,9 @@ def group_for(unit: Unit, default: Group) -> Group:
     return w.device_mesh if isinstance(w, DTensor) else default
 
 
-def mesh_of(model: nn.Module) -> Group:
-    for p in model.parameters():
+def mesh_of(params: Iterable[torch.Tensor]) -> Group:
+    """The mesh of the first FSDP2 (DTensor) parameter, None when there is none."""
+    for p in params:
         if isinstance(p, DTensor):
             return p.device_mesh
     return None
@@ -157,11 +172,22 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
     columns, weights, states = _slot_columns(units, delayed_due)
     reduced = all_reduce_amax_(torch.cat([*columns, -columns[len(_SLOTS)]]), group)
     table = reduced.view(len(_SLOTS) + 2, len(units))
-    for i, w in weights:  # reduced above: the scale path without a group
-        pow2 = w.strategy.power_of_2
-        w.set_precomputed_scale(scale_from_amax(table[0, i], w.float8_dtype, power_of_2=pow2))
+    _stamp_scales(weights, table[0])
     _apply_delayed(units, states, table)
     return len(weights), sum(len(s.operands) for i in states if (s := units[i].delayed()))
+
+
+def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.Tensor) -> None:
+    """Each weight's precomputed scale from its reduced amax (`amaxes[i]`): the scale path
+    without a group, once per (float8 dtype, power-of-two rule) over all its weights."""
+    by_rule: dict[tuple[torch.dtype, bool], list[tuple[int, DynamicFloat8Weight]]] = {}
+    for i, w in weights:
+        by_rule.setdefault((w.float8_dtype, w.weight_cast.power_of_2), []).append((i, w))
+    for (dtype, pow2), members in by_rule.items():
+        index = torch.tensor([i for i, _ in members], device=amaxes.device)
+        scales = scale_from_amax(amaxes[index], dtype, power_of_2=pow2)
+        for (_, w), scale in zip(members, scales.unbind(), strict=True):
+            w.set_precomputed_scale(scale)
 
 
 def _agree(units: list[Unit], group: Group, at: str | None) -> None:

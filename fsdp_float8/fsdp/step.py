@@ -46,9 +46,12 @@ from torch.optim.optimizer import (
 from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.fsdp import refresh as _refresh
 from fsdp_float8.fsdp.delayed_state import is_training_forward
-from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, mesh_of, units_of
-from fsdp_float8.fsdp.weight_wrappers import replaced_parameter
-from fsdp_float8.fsdp.weight_wrappers.base import BEFORE_ALL_GATHER
+from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, units_of
+from fsdp_float8.fsdp.streams import caller_stream, first_stream, on_stream
+from fsdp_float8.fsdp.structure import Structure, held_by
+from fsdp_float8.nn.convert import AFTER_CONVERSION
+from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER
+from fsdp_float8.weight_wrappers.wrap import replaced_parameter
 
 _AUTO, _FORWARD, _EXPLICIT = "after optimizer step", "before forward", "explicit call"
 _STEP_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root module -> step
@@ -93,6 +96,8 @@ class Float8Step:
         self._synced_epoch = -1  # the epoch of the last delayed sync
         self._stepped_epoch = -1  # the epoch whose optimizer step has completed
         self._forwards = [0, -1]  # training forwards since the last sync, its sync count
+        self._stream = first_stream()  # the caller's (see `_before_all_gather`)
+        self._structure: Structure | None = None
         _STEP_OF[model] = self
         if mark:
             setattr(model, "_float8_step_marker", _Marker(id(model)))  # noqa: B010
@@ -139,14 +144,19 @@ class Float8Step:
             else _refresh.collectives(grouped),
         )
 
+    def structure(self) -> Structure:
+        """The model's units, mesh and parameters, rebuilt only after a structural change."""
+        structure = self._structure
+        if structure is None or not structure.current():
+            structure = self._structure = Structure.build(self.model)
+            for u in structure.units:
+                if u.float8:
+                    _LAYER_STEP[u.module] = self
+        return structure
+
     def _units(self) -> list[tuple[Unit, Group]]:
-        model = self.model
-        default = mesh_of(model)
-        units = units_of(model)
-        for u in units:
-            if u.float8:
-                _LAYER_STEP[u.module] = self
-        return [(u, default) for u in units]
+        structure = self.structure()
+        return [(u, structure.default) for u in structure.units]
 
     def __repr__(self) -> str:
         return f"Float8Step({self.describe()})"
@@ -265,12 +275,7 @@ def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
 
 # -- when: the optimizer step hooks and the root forward hook ---------------------------------
 def _held_steps(optimizer: torch.optim.Optimizer) -> list[Float8Step]:
-    if not _STEP_OF:
-        return []
-    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [
-        s for model, s in list(_STEP_OF.items()) if any(id(p) in ids for p in model.parameters())
-    ]
+    return held_by(optimizer, _STEP_OF) if _STEP_OF else []
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
@@ -339,6 +344,7 @@ def _before_forward_eager(module: nn.Module) -> None:
     step = _STEP_OF.get(module) or float8_step(module)  # a deep copy has no step yet
     if not step._enabled:
         return
+    step._stream = caller_stream()
     _refresh_steps([step], _FORWARD)
     _count_forward(step)
 
@@ -349,10 +355,12 @@ def _before_all_gather(module: nn.Module) -> None:
     now, one collective, rather than one all-reduce per weight."""
     step = _LAYER_STEP.get(module)
     if step is not None and step._enabled:
-        _refresh_steps([step], _FORWARD)
+        with on_stream(step._stream):
+            _refresh_steps([step], _FORWARD)
 
 
 BEFORE_ALL_GATHER.append(_before_all_gather)
+AFTER_CONVERSION.append(float8_step)
 
 
 def _count_forward(step: Float8Step) -> None:

@@ -22,11 +22,15 @@ from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.experts import modules as expert_modules
-from fsdp_float8.fsdp.step import float8_step
-from fsdp_float8.fsdp.weight_wrappers import note_replaced
 from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.weight_wrappers.wrap import note_replaced
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+# called with each model that conversion gave float8 layers: the float8 step registers one
+# (`fsdp_float8.fsdp.step`, a layer above, loaded by `import fsdp_float8`) that turns the
+# model's step on, so this module never imports it
+AFTER_CONVERSION: list[Callable[[nn.Module], object]] = []
 
 
 @dataclass
@@ -126,7 +130,8 @@ def convert_to_float8_training(
         report.experts_converted.append(swap.fqn)
     model.float8_conversion_report = report  # type: ignore[assignment]
     if report.converted or report.experts_converted:
-        float8_step(model)  # the float8 step: no float8 call in the training loop
+        for hook in AFTER_CONVERSION:  # the float8 step: no float8 call in the training loop
+            hook(model)
     return model
 
 

@@ -36,8 +36,8 @@ from fsdp_float8.core.gemms import (
     Operand,
 )
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
-from fsdp_float8.fsdp.weight_wrappers import wrap_weight
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
+from fsdp_float8.weight_wrappers.wrap import wrap_weight
 
 
 def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
@@ -185,6 +185,8 @@ class Float8Linear(nn.Linear):
 
     # set by the float8 tensor-parallel styles (`fsdp_float8.tensor_parallel.styles`)
     tensor_parallel: object | None = None
+    # what the float8 step asks (`fsdp_float8.fsdp.refresh.Float8Module`): the float8 weights
+    float8_weight_names: tuple[str, ...] = ("weight",)
 
     def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)

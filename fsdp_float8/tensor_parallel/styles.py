@@ -80,8 +80,8 @@ from fsdp_float8.core.scaling import (
     StaticScaling,
     Tensorwise,
 )
-from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
 from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.weight_wrappers.base import plain_weight
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 # the sharded dim of each operand's local 2-D form (see the module docstring)

@@ -74,8 +74,8 @@ from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import CONTRACTION_DIM, OPERAND_GEMMS, Gemm, Operand
 from fsdp_float8.core.numerics import out_of_range_fraction, underflow_fraction
 from fsdp_float8.core.scaling import tensor_amax
-from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
 from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.weight_wrappers.base import plain_weight
 
 RECORD_FIELDS = (
     "step",

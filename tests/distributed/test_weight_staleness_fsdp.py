@@ -23,7 +23,7 @@ from fsdp_float8 import (
     sqnr_db,
 )
 from fsdp_float8.core.numerics import SQNR_DB
-from fsdp_float8.fsdp.weight_wrappers.base import plain_weight
+from fsdp_float8.weight_wrappers.base import plain_weight
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
 CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)

@@ -18,7 +18,7 @@ pytest.importorskip("torchtitan")
 tt = pytest.importorskip("fsdp_float8.integrations.torchtitan")
 
 from fsdp_float8 import Float8LinearConfig, ScalingType  # noqa: E402
-from fsdp_float8.fsdp.weight_wrappers import Float8WeightWrapper  # noqa: E402
+from fsdp_float8.weight_wrappers.wrap import Float8WeightWrapper  # noqa: E402
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"]
 

@@ -4,7 +4,7 @@ package and, below, on a snippet that breaks it and one that only looks alike:
 
 - `all_reduce` is called only by core/amax_sync.py (tools/comm_stats.py only names the ops
   it counts);
-- FSDP2's all-gather hooks are defined only under fsdp/weight_wrappers/;
+- FSDP2's all-gather hooks are defined only under weight_wrappers/;
 - `ScalingType.X` (a branch, a dict key, a comparison) appears only in core/config.py, the
   words -> strategies and words -> weight wrappers maps;
 - the operand/GEMM topology (dict literals pairing `Operand.X` with `Gemm.Y`, tuple keys
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests import layout_rules as rules
-from tests.import_graph import circles, imported_names
+from tests.import_graph import circles, module_graph
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_float8"
 
@@ -165,7 +165,7 @@ def test_amax_reductions_catch_every_spelling() -> None:
 
 def test_fsdp_hooks_live_in_weight_wrappers() -> None:
     homes = _homes(rules.fsdp_hook_defs)
-    assert homes and all(f.startswith("fsdp/weight_wrappers/") for f in homes), homes
+    assert homes and all(f.startswith("weight_wrappers/") for f in homes), homes
     assert rules.fsdp_hook_defs(ast.parse("class W:\n    def fsdp_pre_all_gather(self): ..."))
     assert not rules.fsdp_hook_defs(ast.parse("out = w.fsdp_pre_all_gather(mesh)"))
 
@@ -182,22 +182,8 @@ def test_the_batched_amax_reduction_is_the_only_one_outside_the_scale_path() -> 
 # ------------------------------------------------------------------------ the import graph
 
 
-def _module_files() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package."""
-    files = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        files[name] = path
-    return files
-
-
 def _import_graph() -> dict[str, set[str]]:
-    files = _module_files()
-    known = set(files)
-    return {
-        module: (imported_names(path, module) & known) - {module} for module, path in files.items()
-    }
+    return module_graph(PACKAGE)
 
 
 def test_the_only_import_circle_is_the_tensor_and_its_op_table():

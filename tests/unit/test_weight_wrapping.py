@@ -73,3 +73,40 @@ def test_wrapper_parameter_loads_with_weights_only(scaling):
     assert type(loaded) is type(weight) and loaded._config == config
     assert isinstance(loaded, nn.Parameter) and loaded.requires_grad
     assert torch.equal(loaded._tensor, weight._tensor)
+
+
+class _OneShard:
+    def size(self) -> int:
+        return 1
+
+
+def _gather_twice(w):
+    """The unsharded weight after FSDP2's first all-gather and one refill (`out=`), the
+    hooks called as FSDP2 calls them at shard size 1."""
+    (payload,), meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), None, None)
+    unsharded, _ = w.fsdp_post_all_gather((payload,), meta, torch.float32)
+    (payload,), meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), None, None)
+    assert w.fsdp_post_all_gather((payload,), meta, torch.float32, out=unsharded) is None
+    return unsharded
+
+
+@pytest.mark.parametrize("scaling", ["static", "dynamic"])
+def test_a_refill_does_not_alias_a_shared_scale(scaling):
+    # static: every layer's weight scale is one process-wide cached tensor; dynamic: the
+    # precomputed scale stamped into the wrapper. A write into the unsharded weight's scale
+    # (an in-place op on the gathered Float8Tensor) must reach neither.
+    config = make_config("tensorwise", scaling, enable_fsdp_float8_all_gather=True)
+    weights = [Float8Linear(32, 32, config=config).weight for _ in range(2)]
+    if scaling == "dynamic":
+        for w in weights:
+            w.set_precomputed_scale(torch.tensor(2.0))
+    sources = [w.float8_scale(None) for w in weights]
+    before = [s.clone() for s in sources]
+    unsharded = [_gather_twice(w) for w in weights]
+    kept = unsharded[1]._scale.clone()
+    scale_before = unsharded[0]._scale
+    unsharded[0]._scale.copy_(torch.tensor(123.0))
+    assert torch.equal(unsharded[1]._scale, kept)
+    assert all(torch.equal(s, b) for s, b in zip(sources, before, strict=True)), sources
+    # the refill is in place: the scale the first all-gather made is the one refilled
+    assert unsharded[0]._scale is scale_before

@@ -1,33 +1,12 @@
-"""Delayed-scaled weight: the scale comes from a scale source, its layer's delayed state.
-
-`scale_source` is the layer's `DelayedScalingState` (set by `wrap_weight`): it records the
-local shard's amax for the next sync and returns the synced weight scale, or, before the
-weight was ever seeded, all-reduces the shard amax once so every rank casts alike. The
-wrapper never sees the module.
+"""Deprecated path, kept for one release: this module lives in
+`fsdp_float8.weight_wrappers.delayed`. Checkpoints saved with `torch.save` before the move name
+its classes by this path; loading one imports this alias, which gives the very objects of the
+new home (see `fsdp_float8.fsdp.weight_wrappers`).
 """
 
-from __future__ import annotations
+from fsdp_float8.fsdp.weight_wrappers import _warn
+from fsdp_float8.weight_wrappers.delayed import DelayedFloat8Weight
 
-import torch
+__all__ = ["DelayedFloat8Weight"]
 
-from fsdp_float8.fsdp.delayed_state import DelayedScalingState
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
-
-
-class DelayedFloat8Weight(Float8WeightWrapper):
-    scale_source: DelayedScalingState | None = None  # weight_scale(shard, mesh) -> scale
-
-    def _copy_state_to(self, new) -> None:
-        new.scale_source = self.scale_source
-
-    def needs_refresh(self) -> bool:
-        return self.scale_source is not None and self.scale_source.unseeded
-
-    def float8_scale(self, mesh) -> torch.Tensor:
-        if self.scale_source is None:
-            raise ValueError(
-                "DelayedFloat8Weight has no scale source (its layer's delayed state); build "
-                "float8 all-gather weights with convert_to_float8_training or "
-                "fsdp_float8.fsdp.weight_wrappers.wrap_weight(weight, layer)"
-            )
-        return self.scale_source.weight_scale(self._tensor, mesh)
+_warn(__name__, "fsdp_float8.weight_wrappers.delayed")

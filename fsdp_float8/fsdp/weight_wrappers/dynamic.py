@@ -1,41 +1,12 @@
-"""Dynamically scaled weight: the scale comes from the weight's current amax.
-
-Preferred source: the scale stored by `precompute_float8_dynamic_scale_for_fsdp` after the
-last optimizer step (one batched collective for the whole model). It is trusted only while
-the weight is unchanged since (the mutation generation of `state.WeightState`, bumped by
-every in-place op on the wrapper or its aliases), so a forgotten precompute costs a
-collective, never a stale scale. Otherwise: the local shard's amax,
-all-reduced over the shard mesh (one small collective for this weight).
-Rowwise (axiswise) weights scale each output row by its own amax: local to the dim-0 shard,
-so they need neither collective nor precompute (`mesh` is then None), except under
-row-parallel tensor parallelism, whose TP shards split each row (`mesh`: the TP group).
+"""Deprecated path, kept for one release: this module lives in
+`fsdp_float8.weight_wrappers.dynamic`. Checkpoints saved with `torch.save` before the move name
+its classes by this path; loading one imports this alias, which gives the very objects of the
+new home (see `fsdp_float8.fsdp.weight_wrappers`).
 """
 
-from __future__ import annotations
+from fsdp_float8.fsdp.weight_wrappers import _warn
+from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
 
-import torch
+__all__ = ["DynamicFloat8Weight"]
 
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
-
-
-class DynamicFloat8Weight(Float8WeightWrapper):
-    def set_precomputed_scale(self, scale: torch.Tensor) -> None:
-        self.stamp_scale(scale)
-
-    def needs_refresh(self) -> bool:
-        return not self.rowwise and not self.has_fresh_precomputed_scale()
-
-    def has_fresh_precomputed_scale(self) -> bool:
-        """True while the scale stored by the last precompute matches the current values
-        (host-side integer checks, no device sync)."""
-        return self.fresh_stamped_scale() is not None
-
-    def float8_scale(self, mesh) -> torch.Tensor:
-        if not self.rowwise:
-            precomputed = self.fresh_stamped_scale()
-            if precomputed is not None:
-                return precomputed
-        # the shard's amax MAX-reduced over `mesh`: the shard mesh (tensorwise); rowwise,
-        # only tensor parallel's dim that splits rows, else None (no collective)
-        amax = self.strategy.granularity.amax(self._tensor, -1)
-        return self.strategy.scale_from_amax(amax, self.float8_dtype, mesh)
+_warn(__name__, "fsdp_float8.weight_wrappers.dynamic")

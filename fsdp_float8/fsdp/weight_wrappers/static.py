@@ -1,16 +1,12 @@
-"""Statically scaled weight: the user-given scale (one cached device tensor), no collective."""
+"""Deprecated path, kept for one release: this module lives in
+`fsdp_float8.weight_wrappers.static`. Checkpoints saved with `torch.save` before the move name
+its classes by this path; loading one imports this alias, which gives the very objects of the
+new home (see `fsdp_float8.fsdp.weight_wrappers`).
+"""
 
-from __future__ import annotations
+from fsdp_float8.fsdp.weight_wrappers import _warn
+from fsdp_float8.weight_wrappers.static import StaticFloat8Weight
 
-import torch
+__all__ = ["StaticFloat8Weight"]
 
-from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import static_scale_tensor
-from fsdp_float8.fsdp.weight_wrappers.base import Float8WeightWrapper
-
-
-class StaticFloat8Weight(Float8WeightWrapper):
-    def float8_scale(self, mesh) -> torch.Tensor:
-        value = self._config.cast(Operand.WEIGHT, Gemm.OUTPUT).static_scale
-        assert value is not None  # a static CastConfig has one
-        return static_scale_tensor(value, self._tensor.device)
+_warn(__name__, "fsdp_float8.weight_wrappers.static")

@@ -1,0 +1,99 @@
+"""The float8 step's view of a model, built by walking the module tree once and cached.
+
+A `Structure` is what the step needs of a model: its units (`refresh.Unit`, in module order),
+the model's default reduction group (its FSDP2 mesh), and the ids of its parameters (which
+optimizers hold the model). Building it walks the module tree; a steady training step must
+not, so each step keeps its structure and checks two cheap facts before using it:
+
+- nothing registered a module or a parameter anywhere since (torch's global registration
+  hooks bump `generation`: a module swap, `convert_to_float8_training`, a replaced
+  parameter through `setattr`);
+- each unit's parameter is the object it was (FSDP2's `fully_shard` swaps parameters
+  without a registration hook, and swaps them again around each unshard; a unit holds its
+  module and the attribute name, so a swap only costs a rebuild, never a stale unit).
+
+Which optimizers hold which steps is cached per optimizer the same way (`held_by`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from fsdp_float8.core.amax_sync import Group
+from fsdp_float8.fsdp.refresh import Unit, mesh_of, units_of
+
+_generation = [0]
+_builds = [0]
+
+
+def _registered(*_args) -> None:
+    _generation[0] += 1
+
+
+register_module_module_registration_hook(_registered)
+register_module_parameter_registration_hook(_registered)
+
+
+def generation() -> int:
+    """How many modules and parameters were registered in this process so far."""
+    return _generation[0]
+
+
+def _unit_params(units: list[Unit]) -> tuple[int, ...]:
+    return tuple(id(getattr(u.module, u.name)) for u in units)
+
+
+@dataclass(frozen=True, eq=False)
+class Structure:
+    units: list[Unit]
+    default: Group  # the model's FSDP2 mesh (None: no FSDP2)
+    param_ids: frozenset[int]
+    built_at: int  # `generation()` when built
+    unit_params: tuple[int, ...]  # id of each unit's parameter when built
+    serial: int  # builds in this process before this one
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Structure:
+        units = units_of(model)  # the one walk of the module tree
+        params = list(model.parameters())  # and the one of its parameters
+        _builds[0] += 1
+        return cls(
+            units=units,
+            default=mesh_of(params),
+            param_ids=frozenset(map(id, params)),
+            built_at=generation(),
+            unit_params=_unit_params(units),
+            serial=_builds[0],
+        )
+
+    def current(self) -> bool:
+        """Nothing registered since the build, and every unit holds the same parameter."""
+        return self.built_at == generation() and self.unit_params == _unit_params(self.units)
+
+
+# optimizer -> (its parameter count, generation, the structures asked), the steps it holds
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def held_by(optimizer: torch.optim.Optimizer, steps: Mapping) -> list:
+    """The steps (`{model: step}`) whose model has a parameter the optimizer holds.
+    `step.structure()` gives each step's current `Structure`."""
+    structures = [(s, s.structure()) for s in list(steps.values())]
+    n = sum(len(g["params"]) for g in optimizer.param_groups)
+    key = (n, generation(), tuple(st.serial for _, st in structures))
+    cached = _HELD.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return [s for ref in cached[1] if (s := ref()) is not None]
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    held = [s for s, st in structures if not ids.isdisjoint(st.param_ids)]
+    _HELD[optimizer] = (key, [weakref.ref(s) for s in held])
+    return held

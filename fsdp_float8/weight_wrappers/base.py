@@ -1,0 +1,349 @@
+"""Weight wrapper mechanics, once: a high-precision weight that FSDP2 all-gathers in float8.
+
+A `Float8WeightWrapper` holds the high-precision weight (`_tensor`) and looks like it to
+everyone (dtype, shape). Ops unwrap to the inner tensor; the ops FSDP2 uses to build and
+pad shards (`PRESERVE_WRAPPER`) keep the wrapper, so the sharded parameter's local tensor
+still has the hooks. In-place ops mutate the inner tensor and return the wrapper.
+
+FSDP2 hooks (torch 2.13 signatures):
+- `fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`: cast the local
+  shard to float8 with `float8_scale(...)` (the only thing subclasses decide), pad it to the
+  padded shard size (uneven sharding), return it as a `uint8` view (gloo rejects float8; one
+  code path for NCCL too) with a typed metadata record (`gather`: tensorwise, rowwise).
+- `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: view the gathered
+  bytes as float8 and return a `Float8Tensor`; later calls refill `out` in place (its data
+  already aliases the all-gather output) and only refresh its scale.
+
+Mutation tracking: every op whose schema marks a wrapper argument as written bumps the
+generation of the wrapper's shared `WeightState` (`fsdp_float8.weight_wrappers.state`,
+which says why the inner tensor's `_version` cannot serve).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from fsdp_float8.core.amax_sync import shard_group
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
+from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
+from fsdp_float8.weight_wrappers.cast import WeightCast
+from fsdp_float8.weight_wrappers.gather import RowwiseGather, TensorwiseGather
+from fsdp_float8.weight_wrappers.state import WeightState, written_args
+
+aten = torch.ops.aten
+# ops whose output aliases the input's storage: the output shares the wrapper's state
+ALIAS_OPS = {
+    aten.slice.Tensor,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten.split.Tensor,
+    aten.detach.default,
+    aten.alias.default,
+}
+# ops that make new storage: the output is a wrapper with a state of its own
+COPY_OPS = {aten.clone.default, aten._to_copy.default, aten._pin_memory.default}
+NEW_OPS = {aten.empty_like.default, aten.new_empty.default, aten.new_zeros.default}
+PRESERVE_WRAPPER = ALIAS_OPS | COPY_OPS | NEW_OPS
+
+
+def _written_wrappers(func, args, kwargs) -> list[Float8WeightWrapper]:
+    written = []
+    for i, name, kwarg_only in written_args(func):
+        value = args[i] if not kwarg_only and i < len(args) else kwargs.get(name)
+        written += [t for t in tree_leaves(value) if isinstance(t, Float8WeightWrapper)]
+    return written
+
+
+_DEEPCOPYING = 0  # > 0 inside Float8WeightWrapper.__deepcopy__ (see data_ptr)
+
+# called with the module before a stale weight's all-gather: the float8 step registers
+# one (`fsdp_float8.fsdp.step`), which refreshes the module's whole model in one collective
+BEFORE_ALL_GATHER: list = []
+
+
+class Float8WeightWrapper(torch.Tensor):
+    _tensor: torch.Tensor
+    _cast: WeightCast  # resolved once from the config (see `cast`)
+    _state: WeightState
+    # the module attribute that holds the weight (`wrap_weight` sets it: an expert module
+    # holds several): the pre-all-gather hook finds the sharded parameter by it
+    param_name: str = "weight"
+    # the dim a rowwise scale spans: the weight's last, the output GEMM's contraction dim
+    ROW_SCALE_DIM = CONTRACTION_DIM[(Gemm.OUTPUT, Operand.WEIGHT)]
+
+    @staticmethod
+    def __new__(
+        cls,
+        tensor: torch.Tensor,
+        config: Float8LinearConfig,
+        state: WeightState | None = None,
+        *,
+        cast: WeightCast | None = None,
+    ):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+        self._tensor = tensor
+        self._cast = cast if cast is not None else WeightCast.of(config)
+        self._state = state if state is not None else WeightState()
+        self._state.register(tensor)
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        return f"{type(self).__name__}({self._tensor!r})"
+
+    def data_ptr(self) -> int:
+        # the inner tensor's address, not a wrapper subclass's 0: tools that key parameters
+        # by data_ptr() (accelerate re-maps optimizer parameters after FSDP2 this way)
+        # must see one distinct, non-zero key per weight. Tensor.__deepcopy__ asks it too,
+        # to tell a wrapper (0: copy by clone) from a tensor with storage.
+        return 0 if _DEEPCOPYING else self._tensor.data_ptr()
+
+    def __deepcopy__(self, memo):
+        global _DEEPCOPYING
+        _DEEPCOPYING += 1
+        try:
+            return torch.Tensor.__deepcopy__(self, memo)
+        finally:
+            _DEEPCOPYING -= 1
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._config
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, config, outer_size, outer_stride):
+        return cls(inner["_tensor"], config)
+
+    def __reduce_ex__(self, protocol):
+        # the high-precision tensor and the config; the mutation state starts afresh
+        is_param = isinstance(self, torch.nn.Parameter)
+        args = (type(self), self._tensor, self._config, is_param, self.requires_grad)
+        return (_rebuild_weight_wrapper, args)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        wrappers = [a for a in _flat(args, kwargs) if isinstance(a, Float8WeightWrapper)]
+        first = wrappers[0]
+        written = _written_wrappers(func, args, kwargs)
+        inherited = _scale_kept_by_copy(func, args, written)
+        for w in written:
+            w._state.bump()
+        if inherited is not None:
+            written[0]._state.stamp_scale(inherited)
+        unwrapped = tree_map_only(Float8WeightWrapper, lambda w: w._tensor, (args, kwargs))
+        out = func(*unwrapped[0], **unwrapped[1])
+        if func in PRESERVE_WRAPPER:
+            return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
+        inner_to_wrapper = {id(w._tensor): w for w in wrappers}
+        return tree_map_only(torch.Tensor, lambda t: inner_to_wrapper.get(id(t), t), out)
+
+    def _rewrap(self, tensor: torch.Tensor, func=None):
+        if func in ALIAS_OPS:
+            state = self._state
+        elif func in COPY_OPS and (tensor.dtype, tensor.device) == (self.dtype, self.device):
+            state = self._state.copy_for(tensor)
+        else:  # new storage, or values rounded to another dtype / moved to another device
+            state = WeightState(blank=func is aten.new_zeros.default)
+        new = type(self)(tensor, self._config, state, cast=self._cast)
+        new.param_name = self.param_name
+        self._copy_state_to(new)
+        return new
+
+    def _copy_state_to(self, new: Float8WeightWrapper) -> None:
+        """Subclasses carry extra per-wrapper state through FSDP2's ops (none by default:
+        value-dependent state belongs in the shared `WeightState`)."""
+
+    # -- scales computed from the current values ---------------------------------------
+    def stamp_scale(self, scale: torch.Tensor) -> None:
+        """Remember `scale` as computed from the weight's current values."""
+        self._state.stamp_scale(scale)
+
+    def fresh_stamped_scale(self) -> torch.Tensor | None:
+        """The stamped scale while the weight is unchanged since, else None (no sync)."""
+        return self._state.fresh_scale()
+
+    @property
+    def mutation_generation(self) -> int:
+        """How many in-place writes the weight's storage has seen through the wrapper."""
+        return self._state.generation
+
+    # -- what subclasses decide -------------------------------------------------------
+    def float8_scale(self, mesh) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- FSDP2 hooks ------------------------------------------------------------------
+    @property
+    def weight_cast(self) -> WeightCast:
+        """The weight's all-gather cast, resolved once (what the hooks read)."""
+        return self._cast
+
+    @property
+    def _config(self) -> Float8LinearConfig:
+        """The config the cast was resolved from (its serialized form)."""
+        return self._cast.config
+
+    @property
+    def float8_dtype(self) -> torch.dtype:
+        return self._cast.float8_dtype
+
+    @property
+    def strategy(self) -> ScalingStrategy:
+        """The weight's scaling strategy (its all-gather cast): scale path and rules."""
+        return self._cast.strategy
+
+    @property
+    def rowwise(self) -> bool:
+        """Per-output-row scales: local to each dim-0 shard, gathered with the data."""
+        return self._cast.rowwise
+
+    def needs_refresh(self) -> bool:
+        """Whether the float8 step has a scale to compute for this weight (host state)."""
+        return False
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        _refuse_cpu_offload(self, module)
+        if self.needs_refresh():  # the float8 step refreshes the whole model at once
+            for hook in BEFORE_ALL_GATHER:
+                hook(module)
+        # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
+        # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
+        sharded = getattr(module, self.param_name, None)
+        if self.rowwise:
+            scale = self.float8_scale(shard_group(sharded, (self.ROW_SCALE_DIM,), None))
+        else:
+            scale = self.float8_scale(shard_group(sharded, None, mesh))
+        data = cast_to_float8_data(self._tensor, scale, self.float8_dtype)
+        emulate = self._cast.emulate
+        if self.rowwise:
+            if outer_size[0] % mesh.size() != 0:  # every rank sees this: no rank hangs
+                raise ValueError(
+                    f"rowwise float8 all-gather of a weight with {outer_size[0]} rows over "
+                    f"{mesh.size()} shards: FSDP2 needs every all-gather input at the padded "
+                    "shard size, which the row scales cannot have; use rows divisible by the "
+                    "shard count, the 'tensorwise' recipe, or enable_fsdp_float8_all_gather=False"
+                )
+            # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
+            mid = tuple(outer_size[1:-1])
+            return RowwiseGather.pack(data, scale, emulate, mid, shards=mesh.size())
+        data = data.view(torch.uint8)
+        padded_rows = math.ceil(outer_size[0] / mesh.size())
+        if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
+            padding = [0, 0] * (data.dim() - 1) + [0, padded_rows - data.shape[0]]
+            data = F.pad(data, padding)
+        return (data,), TensorwiseGather(scale, self.float8_dtype, emulate)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
+            out = out._local_tensor
+        if isinstance(metadata, RowwiseGather):
+            return _rowwise_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
+        gathered = all_gather_outputs[0]
+        data, scale = metadata.unpack(gathered)
+        if scale.is_cuda:
+            # made on FSDP2's all-gather copy-in stream, read here on the current stream:
+            # without this the caching allocator may hand its memory to the next block's
+            # prefetch (on the copy-in stream) before the read below has run
+            scale.record_stream(torch.cuda.current_stream(scale.device))
+        if out is not None:
+            if not isinstance(out, Float8Tensor):
+                raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+            # the data aliases the all-gather output FSDP2 refilled; the scale is copied
+            # into the unsharded weight's own: `scale` is shared (the wrapper's stamped
+            # scale; static scaling: one cached tensor for every layer)
+            out._scale.copy_(scale)
+            return
+        return Float8Tensor(data, scale.clone(), param_dtype, metadata.emulate), (data,)
+
+
+def _rowwise_post_all_gather(outputs, metadata: RowwiseGather, param_dtype, out):
+    """The data and the scales are views of the all-gather outputs, which FSDP2 frees and
+    refills in place around each use; at shard size 1 the scales come in the metadata and
+    are copied into the unsharded weight's own on a refill."""
+    data, scale = metadata.unpack(tuple(outputs))
+    if metadata.local_scales is not None and scale.is_cuda:  # made on the copy-in stream
+        scale.record_stream(torch.cuda.current_stream(scale.device))
+    if out is None:
+        inner = tuple(outputs) if metadata.local_scales is None else (outputs[0], scale)
+        return Float8Tensor(data, scale, param_dtype, metadata.emulate), inner
+    if not isinstance(out, Float8Tensor):
+        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+    if metadata.local_scales is not None:
+        out._scale.copy_(scale)
+    return None
+
+
+def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
+    """Under FSDP2's CPUOffloadPolicy the sharded weight stays on the CPU and the pre-hook
+    runs on a copy moved to the GPU: a scale made from the CPU shard (precompute, delayed
+    state) would sit on the wrong device. Every rank sees the same, so every rank raises."""
+    sharded = getattr(getattr(module, moved.param_name, None), "_local_tensor", None)
+    if sharded is not None and sharded.device != moved.device:
+        raise ValueError(
+            f"float8 all-gather of a weight offloaded to {sharded.device} and gathered on "
+            f"{moved.device} (FSDP2 offload_policy=CPUOffloadPolicy()) is not supported; "
+            "drop the offload policy or set enable_fsdp_float8_all_gather=False"
+        )
+
+
+def _flat(args, kwargs):
+    return tree_leaves((args, kwargs))
+
+
+def _scale_kept_by_copy(func, args, written) -> torch.Tensor | None:
+    """copy_ of a wrapper with a fresh scale into a blank (all-zero) wrapper: that scale."""
+    if func is not aten.copy_.default or not written or not written[0]._state.blank:
+        return None
+    src = args[1]
+    return src._state.fresh_scale() if isinstance(src, Float8WeightWrapper) else None
+
+
+def _rebuild_weight_wrapper(cls, tensor, config, is_param=False, requires_grad=False):
+    wrapper = cls(tensor, config)
+    return torch.nn.Parameter(wrapper, requires_grad) if is_param else wrapper
+
+
+def state_dict_weight(t: torch.Tensor, *, detach: bool) -> torch.Tensor:
+    """`plain_weight(t)` (detached when asked) for a state dict, whose in-place writes
+    (`dcp.load(model.state_dict())`, a rollback) the wrapper sees: under FSDP2 the local
+    tensor of the new DTensor is an autograd-level alias of the inner tensor, so it shares
+    the inner tensor's version counter, which the wrapper's state checks. (A DTensor's
+    `.detach()` would detach below autograd: a counter of its own, writes unseen.)"""
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
+        inner = t._local_tensor._tensor
+        return _dtensor_like(t, inner.detach() if detach else inner)
+    own = plain_weight(t)
+    return own.detach() if detach else own
+
+
+def _dtensor_like(t: DTensor, local: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
+
+
+def plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """The high-precision weight without the wrapper (a DTensor keeps its sharding), so
+    checkpoints hold plain tensors and load anywhere, with or without this package."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
+        return _dtensor_like(t, t._local_tensor._tensor)
+    return t._tensor if isinstance(t, Float8WeightWrapper) else t

@@ -1,0 +1,50 @@
+"""A weight's all-gather cast, resolved once from its config: `WeightCast`.
+
+A weight wrapper is built from a `Float8LinearConfig`, but its all-gather hooks run every
+step: they read this frozen record (the weight's scaling strategy, float8 dtype, whether
+the scales are per row, emulation, a static scale) and never look anything up in the config.
+The config stays in the record only as the wrapper's serialized form (pickling,
+`__tensor_flatten__`), from which the record is resolved again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
+from fsdp_float8.core.gemms import Gemm, Operand
+from fsdp_float8.core.scaling import DelayedScaling, DynamicScaling, ScalingStrategy
+
+
+@dataclass(frozen=True, eq=False)
+class WeightCast:
+    config: Float8LinearConfig  # the serialized form; the hooks read the fields below
+    strategy: ScalingStrategy
+    float8_dtype: torch.dtype
+    rowwise: bool  # per-output-row scales: local to each dim-0 shard, gathered with the data
+    power_of_2: bool  # scales rounded down to a power of two (the strategy's rule)
+    emulate: bool
+    static_scale: float | None
+
+    @classmethod
+    def of(cls, config: Float8LinearConfig) -> WeightCast:
+        cast = config.cast(Operand.WEIGHT, Gemm.OUTPUT)
+        strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
+        if strategy is None:
+            raise ValueError(
+                "a float8 all-gather weight needs a float8 weight cast, got "
+                f"scaling_type={cast.scaling_type.value} for the weight; enable the weight "
+                "cast or set enable_fsdp_float8_all_gather=False"
+            )
+        return cls(
+            config=config,
+            strategy=strategy,
+            float8_dtype=config.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT),
+            rowwise=cast.scaling_granularity is ScalingGranularity.AXISWISE,
+            power_of_2=isinstance(strategy, DynamicScaling | DelayedScaling)
+            and strategy.power_of_2,
+            emulate=config.emulate,
+            static_scale=cast.static_scale,
+        )

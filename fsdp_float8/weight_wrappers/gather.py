@@ -1,0 +1,106 @@
+"""What a float8 weight all-gather sends, per scale format: one frozen metadata class each.
+
+Mental model. The pre-all-gather hook casts the local shard and returns ONE all-gather input
+plus metadata; the post-all-gather hook turns the gathered output back into float8 data and
+scales with that metadata (`unpack`). FSDP2 passes the metadata through untouched, so it is a
+typed, named record instead of a positional tuple:
+
+- `TensorwiseGather`: the float8 bytes only; the one scale (the same on every rank) travels
+  as metadata, because under uneven sharding FSDP2 demands every input at exactly the padded
+  shard size, which leaves the data no room for it.
+- `RowwiseGather`: the float8 rows and their float32 scales as two `uint8` inputs, so the
+  gathered data is contiguous, in the layout the forward GEMM takes (no copy); at shard
+  size 1 (no collective) the scales travel in the metadata.
+- `BlockGather`: the shard's block scales (float32 or e8m0) laid over the shard's rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_float8.core.payload import PayloadLayout
+
+
+@dataclass(frozen=True, eq=False)
+class TensorwiseGather:
+    scale: torch.Tensor  # 0-d float32, the same on every rank
+    float8_dtype: torch.dtype
+    emulate: bool
+
+    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gathered.view(self.float8_dtype), self.scale
+
+
+@dataclass(frozen=True, eq=False)
+class RowwiseGather:
+    float8_dtype: torch.dtype
+    emulate: bool
+    mid: tuple[int, ...]  # a 3-D expert weight (E, out, in): (out,); () for a 2-D weight
+    # at shard size 1 FSDP2 hands the post-hook only the first input: the scales ride here
+    local_scales: torch.Tensor | None = None
+
+    @classmethod
+    def pack(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        emulate: bool,
+        mid: tuple[int, ...],
+        *,
+        shards: int,
+    ) -> tuple[tuple[torch.Tensor, ...], RowwiseGather]:
+        """float8 data (..., K) with its per-row scales (..., 1) -> (all-gather inputs,
+        metadata): the data rows and the scales' bytes as two `uint8` inputs, so FSDP2's
+        copy-out gives each its own contiguous buffer (the data in the GEMM's layout)."""
+        rows = data.reshape(-1, data.shape[-1]).view(torch.uint8)
+        scales = scale.reshape(-1, 1).to(torch.float32)
+        if shards == 1:
+            return (rows,), cls(data.dtype, emulate, mid, scales)
+        return (rows, scales.view(torch.uint8)), cls(data.dtype, emulate, mid)
+
+    def unpack(self, gathered: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Data and scales as views of the all-gather outputs (the scales of metadata at
+        shard size 1); a 3-D expert weight gets its shape back."""
+        data = gathered[0].view(self.float8_dtype)
+        scale = self.local_scales if self.local_scales is not None else gathered[1]
+        scale = scale.view(torch.float32)
+        if self.mid:  # (E * out, in) rows back to (E, out, in)
+            data, scale = data.view(-1, *self.mid, data.shape[-1]), scale.view(-1, *self.mid, 1)
+        return data, scale
+
+
+@dataclass(frozen=True)
+class BlockGather:
+    layout: PayloadLayout  # K float8 bytes + the shard's block scales spread over its rows
+    emulate: bool
+    block: tuple[int, int]
+    shard_rows: int
+    shard_scale_shape: tuple[int, ...]
+
+    @classmethod
+    def pack(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        scale_dtype: torch.dtype,
+        emulate: bool,
+        block: tuple[int, int],
+    ) -> tuple[torch.Tensor, BlockGather]:
+        rows, k = data.shape
+        layout = PayloadLayout.fitting(data.dtype, scale_dtype, k, rows, scale.numel())
+        meta = cls(layout, emulate, block, rows, tuple(scale.shape))
+        return layout.encode(data, scale), meta
+
+    @property
+    def float8_dtype(self) -> torch.dtype:
+        return self.layout.float8_dtype
+
+    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole weight's float8 data (a view) and float32 block scales (a copy)."""
+        shards = gathered.shape[0] // self.shard_rows
+        sr, sc = self.shard_scale_shape
+        scale = self.layout.scales(gathered, shards, math.prod(self.shard_scale_shape))
+        return self.layout.data(gathered), scale.reshape(shards * sr, sc)

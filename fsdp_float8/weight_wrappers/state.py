@@ -1,0 +1,97 @@
+"""How a weight wrapper knows its values changed: `WeightState`.
+
+In-place ops on a wrapper reach its inner tensor inside `__torch_dispatch__`, below the
+autograd layer that bumps version counters, so the inner tensor's `_version` never moves.
+Instead every op whose schema marks a wrapper argument as written (`written_args`) bumps a
+generation counter in the wrapper's `WeightState` (`fsdp_float8.weight_wrappers.base`
+does it at dispatch). Wrappers that alias one inner storage (views, slices, `detach`,
+`.data`: what FSDP2 and optimizers make of the sharded parameter) share one state; copies
+get their own. A scale stamped into the state (`stamp_scale`) is fresh while the generation
+is unchanged and no inner tensor of the state was written directly (a checkpoint loader
+writing into a state_dict's plain tensors bumps their `_version`, which is checked too).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class WeightState:
+    """Shared by the wrappers that alias one inner storage: how many writes it has seen
+    (`generation`) and a scale computed from its values at one generation.
+
+    `blank`: the storage holds zeros and nothing was written yet (FSDP2's `new_zeros`
+    padded shard). Copying a wrapper with a fresh scale into a blank storage keeps that
+    scale fresh: zeros do not change an amax, and FSDP2 re-pads a shard this way on some
+    ranks only (uneven sharding), so every rank must reach the same freshness.
+    """
+
+    __slots__ = ("generation", "blank", "_scale", "_scale_generation", "_inners")
+
+    def __init__(self, *, blank: bool = False) -> None:
+        self.generation = 0
+        self.blank = blank
+        self._scale: torch.Tensor | None = None
+        self._scale_generation = -1
+        # id(inner) -> (weakref to it, its _version when registered or stamped)
+        self._inners: dict[int, tuple[weakref.ref, int]] = {}
+
+    def register(self, inner: torch.Tensor) -> None:
+        # the entry leaves with the tensor (an alias per forward must not pile up)
+        key, inners = id(inner), self._inners
+        inners[key] = (weakref.ref(inner, lambda _: inners.pop(key, None)), inner._version)
+
+    def bump(self) -> None:
+        self.generation += 1
+        self.blank = False
+
+    def stamp_scale(self, scale: torch.Tensor) -> None:
+        self._scale, self._scale_generation = scale, self.generation
+        self._refresh_versions()
+
+    def fresh_scale(self) -> torch.Tensor | None:
+        """The stamped scale if no write happened since, else None (host-side, no sync)."""
+        if self._scale is None or self._scale_generation != self.generation:
+            return None
+        for key, (ref, version) in list(self._inners.items()):
+            inner = ref()
+            if inner is None:
+                del self._inners[key]
+            elif inner._version != version:
+                return None
+        return self._scale
+
+    def copy_for(self, inner: torch.Tensor) -> WeightState:
+        """The state of a copy with the same values (clone): a fresh scale stays fresh."""
+        new = WeightState()
+        new.register(inner)
+        scale = self.fresh_scale()
+        if scale is not None:
+            new.stamp_scale(scale)
+        return new
+
+    def _refresh_versions(self) -> None:
+        for key, (ref, _) in list(self._inners.items()):
+            inner = ref()
+            if inner is None:
+                del self._inners[key]
+            else:
+                self._inners[key] = (ref, inner._version)
+
+
+_WRITTEN: dict[object, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def written_args(func) -> tuple[tuple[int, str, bool], ...]:
+    """(position, name, kwarg_only) of each argument the op's schema says it writes."""
+    found = _WRITTEN.get(func)
+    if found is None:
+        found = tuple(
+            (i, a.name, a.kwarg_only)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITTEN[func] = found
+    return found
