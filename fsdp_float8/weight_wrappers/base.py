@@ -22,6 +22,7 @@ which says why the inner tensor's `_version` cannot serve).
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,9 @@ def _written_wrappers(func, args, kwargs) -> list[Float8WeightWrapper]:
     return written
 
 
-_DEEPCOPYING = 0  # > 0 inside Float8WeightWrapper.__deepcopy__ (see data_ptr)
+# depth > 0 inside Float8WeightWrapper.__deepcopy__ on this thread (see data_ptr); per thread,
+# since the ranks of torch's threaded test process group share a process
+_DEEPCOPYING = threading.local()
 
 # called with the module before a stale weight's all-gather: the float8 step registers
 # one (`fsdp_float8.fsdp.step`), which refreshes the module's whole model in one collective
@@ -112,15 +115,14 @@ class Float8WeightWrapper(torch.Tensor):
         # by data_ptr() (accelerate re-maps optimizer parameters after FSDP2 this way)
         # must see one distinct, non-zero key per weight. Tensor.__deepcopy__ asks it too,
         # to tell a wrapper (0: copy by clone) from a tensor with storage.
-        return 0 if _DEEPCOPYING else self._tensor.data_ptr()
+        return 0 if getattr(_DEEPCOPYING, "depth", 0) else self._tensor.data_ptr()
 
     def __deepcopy__(self, memo):
-        global _DEEPCOPYING
-        _DEEPCOPYING += 1
+        _DEEPCOPYING.depth = getattr(_DEEPCOPYING, "depth", 0) + 1
         try:
             return torch.Tensor.__deepcopy__(self, memo)
         finally:
-            _DEEPCOPYING -= 1
+            _DEEPCOPYING.depth -= 1
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._config

@@ -193,3 +193,31 @@ def test_weight_wrapper_data_ptr_is_the_inner_tensors():
     ptrs = [p.data_ptr() for p in model.parameters()]
     assert 0 not in ptrs and len(set(ptrs)) == len(ptrs), ptrs
     assert model[0].weight.data_ptr() == model[0].weight._tensor.data_ptr()
+
+
+def test_a_deepcopy_in_one_thread_leaves_data_ptr_alone_in_another():
+    """Ranks of torch's threaded test process group share a process: one rank deep-copying
+    its model must not make another rank's weights report data_ptr() 0."""
+    import copy
+    import threading
+
+    config = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
+    copied, other = _mlp(replace(config)), _mlp(replace(config))
+    inside, done = threading.Event(), threading.Event()
+    original = torch.Tensor.__deepcopy__
+
+    def slow_deepcopy(self, memo):
+        inside.set()
+        done.wait(10)
+        return original(self, memo)
+
+    seen = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "__deepcopy__", slow_deepcopy)
+        thread = threading.Thread(target=copy.deepcopy, args=(copied[0].weight,))
+        thread.start()
+        assert inside.wait(10)
+        seen = [p.data_ptr() for p in other.parameters()]
+        done.set()
+        thread.join(10)
+    assert 0 not in seen, seen
