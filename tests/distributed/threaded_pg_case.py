@@ -33,6 +33,9 @@ from tests.distributed.float8_cases import Case, batch, build_model, loss_of, sh
 CASE = Case(model="mlp", n_layers=1, dim=32, steps=3)
 CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
 WORLD = 2
+# build_model seeds torch's process-wide generator; thread-ranks that build at once draw
+# from it in turn, and each rank would keep shards of a different mix of weights
+_BUILD = threading.Lock()
 
 
 def train(model: torch.nn.Module) -> list[float]:
@@ -51,7 +54,8 @@ def train(model: torch.nn.Module) -> list[float]:
 def rank_main(rank: int, store: dist.Store, out: dict) -> None:
     try:
         dist.init_process_group("threaded", rank=rank, world_size=WORLD, store=store)
-        model = convert_to_float8_training(build_model(CASE), config=CONFIG)
+        with _BUILD:
+            model = convert_to_float8_training(build_model(CASE), config=CONFIG)
         mesh = dist.device_mesh.init_device_mesh("cpu", (WORLD,))
         out[rank] = train(shard(model, CASE, mesh))
         out[f"pending {rank}"] = deferred_check_stays_with_its_rank(rank)
