@@ -17,15 +17,22 @@ from torch import nn
 
 from f8train.model import Transformer, build_args
 from f8train.moe import GroupedExperts
-from fsdp_float8 import CastConfig, DelayedScalingConfig, Float8LinearConfig, Gemm, Operand
+from fsdp_float8 import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8LinearConfig,
+    Gemm,
+    NVFP4Config,
+    Operand,
+)
 from fsdp_float8.nn.convert import dims_divisible_by_16
 
-RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4")
 SCALINGS = ("dynamic", "delayed", "static")
 # float8 all-gather by default: tensorwise, and mxfp8 (every linear of the tiny preset has
 # whole 32-row blocks per rank); not blockwise: the tiny preset's wk/wv have 64 rows per
 # rank on 2 ranks, not whole 128-row blocks, which a block all-gather refuses
-DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8")
+DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8", "nvfp4")  # nvfp4: 16-row tiles
 # static scales multiply hp values into float8 range: roughly fp8_max / expected amax
 DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
 # flags that act only on float8 layers, as (attribute, flag, is it set?)
@@ -51,11 +58,26 @@ def default_all_gather(args: argparse.Namespace) -> bool:
     return args.recipe in DEFAULT_ALL_GATHER if args.fp8_all_gather is None else args.fp8_all_gather
 
 
-def float8_config(args: argparse.Namespace) -> Float8LinearConfig | None:
-    """The float8 config the flags ask for (None for ``--recipe off``); exits with the
-    config's own message when the combination is refused."""
+# flags that NVFP4 layers cannot honour, as (attribute, flag, is it set?, why)
+_NOT_NVFP4 = (
+    ("emulate", "--emulate", bool, "NVFP4 GEMMs are always emulated"),
+    ("numerics_every", "--numerics-every", bool, "the float8 telemetry reads float8 layers"),
+)
+
+
+def float8_config(args: argparse.Namespace) -> Float8LinearConfig | NVFP4Config | None:
+    """The float8 config the flags ask for (None for ``--recipe off``; an NVFP4Config for
+    ``--recipe nvfp4``); exits with the config's own message when the combination is
+    refused."""
     if args.recipe == "off":
         return None
+    if args.recipe == "nvfp4":
+        if args.scaling != "dynamic":
+            raise SystemExit(
+                f"--scaling {args.scaling} with --recipe nvfp4: NVFP4 scales are dynamic "
+                "(each tensor's own amax); use --scaling dynamic"
+            )
+        return NVFP4Config(enable_fsdp_float8_all_gather=default_all_gather(args))
     overrides: dict = {
         "enable_fsdp_float8_all_gather": default_all_gather(args),
         "emulate": args.emulate,
@@ -126,7 +148,8 @@ def describe(a: argparse.Namespace) -> str:
     parts = ["off"]
     if a.recipe != "off":
         all_gather = default_all_gather(a)
-        parts = [f"{a.recipe}/{a.scaling}", "fp8-all-gather" if all_gather else "hp-all-gather"]
+        low = "fp4-all-gather" if a.recipe == "nvfp4" else "fp8-all-gather"
+        parts = [f"{a.recipe}/{a.scaling}", low if all_gather else "hp-all-gather"]
         if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
             parts.append("precompute" if a.precompute else "no-precompute")
     parts.append(a.mixed_precision)
@@ -158,6 +181,12 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             parse_static_scales(args.static_scales)
         except ValueError as err:
             problems.append(str(err))
+    if args.recipe == "nvfp4":
+        problems += [
+            f"{flag} has no effect with --recipe nvfp4 ({why}); drop it"
+            for attr, flag, is_set, why in _NOT_NVFP4
+            if is_set(getattr(args, attr))
+        ]
     if not args.precompute and args.scaling != "dynamic":
         problems.append(
             f"--no-precompute applies to --scaling dynamic only (this run: --scaling "
@@ -202,7 +231,10 @@ def block_all_gather_problem(
         return None
     if not config.uses_block_scales():
         return None
-    rows = config.cast(Operand.WEIGHT, Gemm.OUTPUT).block_shape[0]
+    if isinstance(config, NVFP4Config):
+        rows = 16  # 16x16 weight tiles
+    else:
+        rows = config.cast(Operand.WEIGHT, Gemm.OUTPUT).block_shape[0]
     accept = float8_filter(args.float8_skip)
     layers = [
         (fqn, m.out_features)

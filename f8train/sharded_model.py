@@ -21,11 +21,16 @@ from f8train.float8_flags import expert_filter, float8_filter, meta_model
 from f8train.model import Transformer
 from f8train.process_group import Dist
 from f8train.tp_plan import apply_tensor_parallel
-from fsdp_float8 import Float8LinearConfig, convert_to_float8_training, enable_float8_reduce_scatter
+from fsdp_float8 import (
+    Float8LinearConfig,
+    NVFP4Config,
+    convert_to_float8_training,
+    enable_float8_reduce_scatter,
+)
 
 
 def build_model(
-    args: argparse.Namespace, d: Dist, config: Float8LinearConfig | None
+    args: argparse.Namespace, d: Dist, config: Float8LinearConfig | NVFP4Config | None
 ) -> tuple[Transformer, object]:
     """The sharded, initialized model and its float8 conversion report (None if off)."""
     model = meta_model(args)

@@ -45,7 +45,7 @@ from f8train.resume import checkpoint_settings, find_resume
 from f8train.run_control import GracefulStop, acquire_lock, fault_hooks, release_lock
 from f8train.sharded_model import build_model, build_optimizer, build_scheduler, conversion_counts
 from f8train.train_args import batch_split_problem, parse_args
-from fsdp_float8 import Float8LinearConfig, Float8Telemetry, float8_step
+from fsdp_float8 import Float8LinearConfig, Float8Telemetry, NVFP4Config, float8_step
 from fsdp_float8 import sync_float8_amax_and_scale_history as sync_float8
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from fsdp_float8.tools.telemetry import append_jsonl
@@ -56,7 +56,9 @@ EXIT_NON_FINITE = 3
 class Trainer:
     """Holds the run's objects; ``run()`` trains from the resumed step to ``--steps``."""
 
-    def __init__(self, args: argparse.Namespace, config: Float8LinearConfig | None, d: pg.Dist):
+    def __init__(
+        self, args: argparse.Namespace, config: Float8LinearConfig | NVFP4Config | None, d: pg.Dist
+    ):
         self.args, self.config, self.d, self.out = args, config, d, Path(args.out)
         torch.manual_seed(args.seed)
         self.data = load_data(args)
@@ -316,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
-def check_arguments(argv: list[str] | None) -> tuple[argparse.Namespace, Float8LinearConfig | None]:
+def check_arguments(
+    argv: list[str] | None,
+) -> tuple[argparse.Namespace, Float8LinearConfig | NVFP4Config | None]:
     """The flags and the float8 config, or a refusal (``SystemExit``) before anything starts;
     every rank decides alike."""
     args = parse_args(argv)

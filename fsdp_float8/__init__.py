@@ -49,10 +49,12 @@ from fsdp_float8.nn.convert import (
     dims_divisible_by_16,
 )
 from fsdp_float8.nn.linear import Float8Linear
+from fsdp_float8.nn.nvfp4_linear import NVFP4Config, NVFP4Linear, high_precision_ends
 from fsdp_float8.tensor_parallel.input import PrepareFloat8ModuleInput
 from fsdp_float8.tensor_parallel.styles import Float8ColwiseParallel, Float8RowwiseParallel
 from fsdp_float8.tools.telemetry import Float8Telemetry
 from fsdp_float8.weight_wrappers.base import _rebuild_weight_wrapper
+from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight
 from fsdp_float8.weight_wrappers.wrap import (
     BlockFloat8Weight,
     DelayedFloat8Weight,
@@ -79,8 +81,10 @@ _SAFE_GLOBALS: list[Callable | tuple[Callable, str]] = [
     BlockFloat8Weight,
     DelayedFloat8Weight,
     StaticFloat8Weight,
+    NVFP4FSDPWeight,
     _rebuild_weight_wrapper,
     Float8LinearConfig,
+    NVFP4Config,
     CastConfig,
     DelayedScalingConfig,
     Float8GemmConfig,
@@ -147,6 +151,9 @@ __all__ = [
     "Float8GroupedExperts",
     "Float8Linear",
     "Float8LinearConfig",
+    "NVFP4Config",
+    "NVFP4Linear",
+    "high_precision_ends",
     "Float8LinearRecipeName",
     "Float8RowwiseParallel",
     "Float8Step",

@@ -99,15 +99,52 @@ def _rne_magnitude_codes(mag: torch.Tensor) -> torch.Tensor:
     return code
 
 
-def _stochastic_magnitude_codes(mag: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The lower neighbour's code, plus 1 with probability (mag - lower) / gap. The
-    difference and the division are exact in float32 (Sterbenz; the gaps are powers of two),
-    and `torch.rand` draws multiples of 2^-24, so the bias is below 2^-24 of a gap."""
-    if generator.device.type != mag.device.type:
+def _draws(mag: torch.Tensor, random: torch.Generator | torch.Tensor) -> torch.Tensor:
+    """Uniform draws in [0, 1), one per element: from a generator, or given (`hashed_uniform`)."""
+    if isinstance(random, torch.Tensor):
+        if random.shape != mag.shape or random.device != mag.device:
+            raise ValueError(
+                f"stochastic rounding of a {tuple(mag.shape)} tensor on {mag.device} got draws "
+                f"of shape {tuple(random.shape)} on {random.device}; pass one per element"
+            )
+        return random
+    if random.device.type != mag.device.type:
         raise ValueError(
             f"stochastic rounding of a tensor on {mag.device} got a generator on "
-            f"{generator.device}; pass torch.Generator(device={str(mag.device)!r})"
+            f"{random.device}; pass torch.Generator(device={str(mag.device)!r})"
         )
+    return torch.rand(mag.shape, generator=random, device=mag.device)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 holding 32-bit values;
+    every product stays below 2^59, so nothing overflows."""
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def hashed_uniform(shape, salt: torch.Tensor) -> torch.Tensor:
+    """Counter-based draws: multiples of 2^-24 in [0, 1), one per element of `shape`, a hash
+    of (the element's index, `salt`: a 0-d int64 tensor). The same salt gives the same
+    draws on every device and under torch.compile (plain tensor ops, no generator state)."""
+    n = math.prod(shape)
+    index = torch.arange(n, dtype=torch.int64, device=salt.device)
+    key = _mix32(salt.reshape(()).to(torch.int64) & _MASK32)
+    bits = _mix32(_mix32(index ^ key) ^ (key * 0x9E37 & _MASK32))
+    return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+
+
+def _stochastic_magnitude_codes(
+    mag: torch.Tensor, random: torch.Generator | torch.Tensor
+) -> torch.Tensor:
+    """The lower neighbour's code, plus 1 with probability (mag - lower) / gap. The
+    difference and the division are exact in float32 (Sterbenz; the gaps are powers of two),
+    and the draws are multiples of 2^-24, so the bias is below 2^-24 of a gap."""
+    draw = _draws(mag, random)
     lower = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
     for m in E2M1_MAGNITUDES[1:]:
         lower += mag >= m
@@ -115,14 +152,16 @@ def _stochastic_magnitude_codes(mag: torch.Tensor, generator: torch.Generator) -
     lo = table[lower.long()]
     gap = table[(lower.long() + 1).clamp(max=7)] - lo
     frac = torch.where(gap > 0, (mag - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-    draw = torch.rand(mag.shape, generator=generator, device=mag.device)
     return lower + (draw < frac).to(torch.uint8)
 
 
-def e2m1_codes(y: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def e2m1_codes(
+    y: torch.Tensor, *, generator: torch.Generator | torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 e2m1 codes (0..15, sign in bit 3), one per element of a float32 `y` already
     scaled into [-6, 6] (beyond it saturates). Round to nearest even, or stochastically
-    with `generator`. See the module docstring for zeros and non-finite values."""
+    with `generator` (a torch.Generator, or a tensor of uniform draws shaped like `y`).
+    See the module docstring for zeros and non-finite values."""
     if y.dtype != torch.float32:
         raise TypeError(f"e2m1_codes takes float32, got {y.dtype}; convert with .float()")
     mag = y.abs()
@@ -228,11 +267,12 @@ def quantize(
     amax: torch.Tensor,
     block: Block = ACTIVATION_BLOCK,
     *,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | torch.Tensor | None = None,
 ) -> NVFP4:
     """x (..., R, C) in blocks of `block` along its last two dims (a partial last block
     counts as zero-padded), with the tensor factor of `amax`; stochastic rounding with
-    `generator` (block factors rounded up), else round to nearest even (nearest factors)."""
+    `generator` (block factors rounded up; a torch.Generator or uniform draws shaped like
+    x, e.g. `hashed_uniform`), else round to nearest even (nearest factors)."""
     _check_quantize(x, amax, block)
     hp = x.detach().to(torch.float32)
     tensor_inv = tensor_inv_scale(amax)
@@ -280,8 +320,8 @@ def emulated_mm(a: NVFP4, b: NVFP4, out_dtype: torch.dtype = torch.float32) -> t
 def random_hadamard(generator: torch.Generator) -> torch.Tensor:
     """R = D @ H / 4 (16x16 float32, orthogonal): D the diagonal of 16 random signs drawn
     from `generator`, H the Sylvester Hadamard matrix."""
-    h = torch.ones(1, 1)
-    step = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    h = torch.ones(1, 1, device="cpu")  # on the CPU whatever the default device
+    step = torch.tensor([[1.0, 1.0], [1.0, -1.0]], device="cpu")
     while h.shape[0] < RHT_SIZE:
         h = torch.kron(step, h)
     bits = torch.randint(0, 2, (RHT_SIZE,), generator=generator, device=generator.device)

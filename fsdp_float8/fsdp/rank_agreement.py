@@ -39,6 +39,7 @@ FIELDS: tuple[str, ...] = (
     "float8_layers",
     *(f.name for f in dataclasses.fields(Float8LinearConfig)),
     "weight_wrapper",
+    "layer_config",  # a config of another type (a format's own, e.g. NVFP4's): its repr
 )
 
 
@@ -56,7 +57,9 @@ def _field_value(module: nn.Module, name: str, field: str) -> object:
     if field == "weight_wrapper":
         w = getattr(module, name)
         return type(w._local_tensor if isinstance(w, DTensor) else w).__name__
-    return getattr(config, field)
+    if not isinstance(config, Float8LinearConfig):
+        return repr(config) if field == "layer_config" else None
+    return None if field == "layer_config" else getattr(config, field)
 
 
 def fingerprint(weights: list[tuple[str, nn.Module, str]]) -> torch.Tensor:

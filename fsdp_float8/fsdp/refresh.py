@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, group_of
 from fsdp_float8.core.config import Operand
-from fsdp_float8.core.scaling import scale_from_amax, tensor_amaxes
+from fsdp_float8.core.scaling import tensor_amaxes
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import fingerprint, handshake
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
@@ -178,16 +178,18 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
 
 
 def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.Tensor) -> None:
-    """Each weight's precomputed scale from its reduced amax (`amaxes[i]`): the scale path
-    without a group, once per (float8 dtype, power-of-two rule) over all its weights."""
-    by_rule: dict[tuple[torch.dtype, bool], list[tuple[int, DynamicFloat8Weight]]] = {}
+    """Each weight's stamp from its reduced amax (`amaxes[i]`), as its class says
+    (`stamps_from_amaxes`: a precomputed scale), once per (rule, float8 dtype, power-of-two
+    rule) over all its weights."""
+    by_rule: dict[tuple, list[tuple[int, DynamicFloat8Weight]]] = {}
     for i, w in weights:
-        by_rule.setdefault((w.float8_dtype, w.weight_cast.power_of_2), []).append((i, w))
-    for (dtype, pow2), members in by_rule.items():
+        rule = (type(w).stamps_from_amaxes, w.float8_dtype, w.weight_cast.power_of_2)
+        by_rule.setdefault(rule, []).append((i, w))
+    for (stamps_from, dtype, pow2), members in by_rule.items():
         index = torch.tensor([i for i, _ in members], device=amaxes.device)
-        scales = scale_from_amax(amaxes[index], dtype, power_of_2=pow2)
-        for (_, w), scale in zip(members, scales.unbind(), strict=True):
-            w.set_precomputed_scale(scale)
+        stamps = stamps_from(amaxes[index], dtype, pow2)
+        for (_, w), stamp in zip(members, stamps.unbind(), strict=True):
+            w.set_precomputed_scale(stamp)
 
 
 def _agree(units: list[Unit], group: Group, at: str | None) -> None:

@@ -93,7 +93,7 @@ def convert_to_float8_training(
     returned model gets its float8 step (`fsdp_float8.float8_step`): precomputed weight
     scales and delayed-scaling state are refreshed after each optimizer step.
     """
-    config = as_float8_linear_config(config)
+    config = _layer_config(config)
     if expert_config is not None:
         expert_config = as_float8_linear_config(expert_config, "expert_config")
     _refuse_high_precision_config(config)
@@ -115,7 +115,7 @@ def convert_to_float8_training(
     _plan_experts(model, "", expert_config or config, expert_filter_fn, report, expert_plan)
     for swap in plan:
         assert isinstance(swap.linear, nn.Linear)  # _plan_linear planned it
-        new = _to_float8(swap.linear, config)
+        new = _to_float8(swap.linear, config, swap.fqn)
         _name_replaced(swap, new, ("weight",))
         if swap.parent is None:
             model = new
@@ -135,6 +135,19 @@ def convert_to_float8_training(
     return model
 
 
+def _layer_config(config: object) -> Float8LinearConfig:
+    """A format's own layer config (it names the layer class that implements it, e.g.
+    `NVFP4Config`) as it is; any other config as `as_float8_linear_config` reads it."""
+    if getattr(config, "linear_class", None) is not None:
+        return config  # type: ignore[return-value]  # read through the same attributes
+    return as_float8_linear_config(config)
+
+
+def _converted(module: nn.Module) -> bool:
+    """Whether `module` is a layer conversion made (it names its float8-cast weights)."""
+    return getattr(module, "float8_weight_names", None) is not None
+
+
 def _name_replaced(swap: _Swap, new: nn.Module, names: tuple[str, ...]) -> None:
     """Name each Parameter that float8 all-gather replaced by its fqn (for the optimizer
     check: an optimizer built before conversion still holds the old one)."""
@@ -145,8 +158,12 @@ def _name_replaced(swap: _Swap, new: nn.Module, names: tuple[str, ...]) -> None:
             note_replaced(old, f"{fqn!r} {tuple(old.shape)}")
 
 
-def _to_float8(linear: nn.Linear, config: Float8LinearConfig) -> Float8Linear:
-    return Float8Linear.from_float(linear, config)  # wraps the weight for float8 all-gather
+def _to_float8(linear: nn.Linear, config: Float8LinearConfig, fqn: str) -> nn.Linear:
+    layer_class = getattr(config, "linear_class", Float8Linear)
+    new = layer_class.from_float(linear, config)  # wraps the weight for float8 all-gather
+    if hasattr(new, "fqn"):  # a layer whose random draws are seeded by its name
+        new.fqn = fqn
+    return new
 
 
 def _seen(parent: nn.Module, name: str, child: nn.Module, plan: list[_Swap], seen: set) -> bool:
@@ -182,7 +199,20 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) ->
         if not (expert_modules.expert_layout(child) or expert_modules.has_3d_parameters(child)):
             _plan_experts(child, fqn, config, filter_fn, report, plan, seen)
             continue
-        why = expert_modules.skip_reason(child, config)
+        if not isinstance(config, Float8LinearConfig) and (
+            filter_fn is None or filter_fn(child, fqn)
+        ):
+            raise Float8ConfigError(
+                f"{fqn} is an experts module, which a {type(config).__name__} cannot convert "
+                "(no grouped GEMM for it); pass expert_config=Float8LinearConfig."
+                "from_recipe_name('rowwise') (or another float8 recipe) for the experts, or "
+                "expert_filter_fn=lambda m, fqn: False to keep them in high precision"
+            )
+        why = (
+            expert_modules.skip_reason(child, config)
+            if isinstance(config, Float8LinearConfig)
+            else "rejected by expert_filter_fn"
+        )
         if why is None and filter_fn is not None and not filter_fn(child, fqn):
             why = "rejected by expert_filter_fn"
         if why:
@@ -193,7 +223,7 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) ->
 
 def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:
     child, fqn = swap.linear, swap.fqn
-    if isinstance(child.weight, DTensor) and not isinstance(child, Float8Linear):
+    if isinstance(child.weight, DTensor) and not _converted(child):
         raise Float8ConfigError(
             f"{fqn or 'the root'}.weight is already a DTensor {child.weight.placements}: "
             "convert_to_float8_training must run before fully_shard and parallelize_module "
@@ -202,7 +232,7 @@ def _plan_linear(swap: _Swap, config, module_filter_fn, report, plan) -> None:
             "the root)"
         )
     why = _skip_reason(child, fqn, config, module_filter_fn)
-    if why is None and isinstance(child, Float8Linear):
+    if why is None and _converted(child):
         why = _already_converted(child, fqn, config)
     if why:
         report.skipped[fqn] = why
@@ -223,7 +253,7 @@ def _skip_reason(child, fqn, config, module_filter_fn) -> str | None:
     return None
 
 
-def _already_converted(child: Float8Linear, fqn: str, config: Float8LinearConfig) -> str:
+def _already_converted(child: nn.Module, fqn: str, config: Float8LinearConfig) -> str:
     if child.config == config:
         return "already a Float8Linear with this config"
     raise Float8ConfigError(

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_float8.core.scaling import DynamicScaling
+from fsdp_float8.core.scaling import DynamicScaling, scale_from_amax
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class DynamicFloat8Weight(Float8WeightWrapper):
+    @staticmethod
+    def stamps_from_amaxes(amaxes, float8_dtype, power_of_2) -> torch.Tensor:
+        """What the refresh stamps for weights of this class, from their reduced amaxes
+        (one vector op per class and rule): their precomputed scales."""
+        return scale_from_amax(amaxes, float8_dtype, power_of_2=power_of_2)
+
     def set_precomputed_scale(self, scale: torch.Tensor) -> None:
         self.stamp_scale(scale)
 

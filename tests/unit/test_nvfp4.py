@@ -349,3 +349,20 @@ def test_payload_bytes() -> None:
     # and it is what a quantized tensor holds
     q = nvfp4.quantize(torch.randn(20, 40), torch.tensor(4.0), (16, 16))
     assert q.packed.numel() + q.block_inv_scale.numel() == nvfp4.payload_bytes((20, 40), (16, 16))
+
+
+def test_hashed_uniform_draws() -> None:
+    """Counter-based draws: multiples of 2^-24 in [0, 1), the same for the same salt, other
+    for another; 2^16 draws fill 16 equal bins within 5 standard deviations of a binomial
+    count (256 * 16 / 16 = 4096 expected, std 62), and so do 4096 salts at one index."""
+    a = nvfp4.hashed_uniform((256, 256), torch.tensor(7))
+    assert torch.equal(a, nvfp4.hashed_uniform((256, 256), torch.tensor(7)))
+    assert (a != nvfp4.hashed_uniform((256, 256), torch.tensor(8))).float().mean() > 0.99
+    assert a.min() >= 0 and a.max() < 1 and torch.equal(a * 2**24, (a * 2**24).round())
+    expected, std = 4096, math.sqrt(2**16 * (1 / 16) * (15 / 16))
+    counts = torch.histc(a, bins=16, min=0, max=1)
+    assert ((counts - expected).abs() <= 5 * std).all(), counts
+    across = torch.stack([nvfp4.hashed_uniform((16,), torch.tensor(s))[3] for s in range(4096)])
+    counts = torch.histc(across, bins=16, min=0, max=1)
+    expected, std = 256, math.sqrt(4096 * (1 / 16) * (15 / 16))
+    assert ((counts - expected).abs() <= 5 * std).all(), counts

@@ -1,0 +1,290 @@
+"""NVFP4Linear: nn.Linear whose three GEMMs take 4-bit NVFP4 operands (`core/nvfp4.py`).
+
+The recipe (NVIDIA's NVFP4 pretraining recipe):
+- forward `x @ W.T`: the input in 1x16 blocks along K, the weight in 16x16 tiles; both
+  rounded to nearest.
+- grad_input `grad_out @ W`: the same quantized weight, transposed (16x16 tiles are
+  transpose-invariant: no second quantization); grad_out in 1x16 blocks along N,
+  stochastically rounded.
+- grad_weight `grad_out.T @ x`: both operands transformed by a 16x16 random Hadamard
+  matrix along the token dim (their contraction dim, padded with zero tokens to a multiple
+  of 16), then quantized in 1x16 blocks along it; grad_out stochastically rounded.
+Every amax is the tensor's own (dynamic), except the weight's under FSDP2, which is the
+whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs are emulated: each operand is
+dequantized to float32 and multiplied in float32 (no FP4 GEMM runs yet, on any device).
+
+Randomness is reproducible and needs no generator state: the Hadamard signs of a layer
+come from (seed, the layer's name); the rounding draws of a GEMM are a hash of (seed, the
+layer's name, the GEMM, the bits of the gradient being rounded, the element's index)
+(`nvfp4.hashed_uniform`), so a rerun, an activation-checkpoint recompute and a compiled
+graph draw alike, and each rank and step draws afresh with its own gradients.
+
+A layer is built by `convert_to_float8_training(model, config=NVFP4Config(...))`, which
+names each layer; keep sensitive layers in high precision with `module_filter_fn`
+(`high_precision_ends` keeps the first and last blocks out).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8.core import nvfp4
+from fsdp_float8.core.config_fields import Float8ConfigError
+from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
+from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight
+from fsdp_float8.weight_wrappers.wrap import note_replaced
+
+
+@dataclass(frozen=True)
+class NVFP4Config:
+    """How `convert_to_float8_training` builds NVFP4 layers.
+
+    enable_fsdp_float8_all_gather: FSDP2 all-gathers the weights as NVFP4 (packed codes
+      and e4m3 tile factors: 0.504 bytes per element) instead of in high precision.
+    hadamard_grad_weight: the random Hadamard transform on grad_weight's operands.
+    stochastic_rounding: stochastic rounding of grad_output (both of its GEMMs).
+    seed: the seed of the Hadamard signs and the rounding draws.
+    """
+
+    enable_fsdp_float8_all_gather: bool = False
+    hadamard_grad_weight: bool = True
+    stochastic_rounding: bool = True
+    seed: int = 0
+    # what conversion reads of any layer config
+    pad_inner_dim: ClassVar[bool] = False
+    linear_class: ClassVar[type]  # set below: NVFP4Linear
+
+    def __post_init__(self) -> None:
+        for name in (
+            "enable_fsdp_float8_all_gather",
+            "hadamard_grad_weight",
+            "stochastic_rounding",
+        ):
+            if type(getattr(self, name)) is not bool:
+                raise Float8ConfigError(
+                    f"NVFP4Config.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise Float8ConfigError(
+                f"NVFP4Config.seed must be an int in [0, 2**63), got {self.seed!r}"
+            )
+
+    def uses_block_scales(self) -> bool:
+        return True
+
+    def any_float8(self) -> bool:
+        return True
+
+
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _draws(t: torch.Tensor, layer_seed: int, gemm: int) -> torch.Tensor:
+    """Uniform draws for stochastically rounding `t`: a hash of the layer, the GEMM and
+    t's bits (the sum of its float32 bit patterns), per element."""
+    bits = t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()
+    salt = (bits + layer_seed * 31 + gemm) & 0xFFFFFFFF
+    return nvfp4.hashed_uniform(t.shape, salt)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return tensor_amax(t).reshape(())
+
+
+def _weight_record(weight: torch.Tensor) -> nvfp4.NVFP4:
+    """The weight in 16x16 tiles: as FSDP2 gathered it, or quantized here (unsharded)."""
+    if isinstance(weight, NVFP4Weight):
+        return weight.record
+    hp = plain_weight(weight)
+    return nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK)
+
+
+def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
+    """(rows, tokens) with zero tokens appended up to a multiple of 16 (they add nothing)."""
+    return F.pad(t, (0, -t.shape[1] % nvfp4.RHT_SIZE))
+
+
+class _NVFP4LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, layer: NVFP4Linear):
+        x2 = x.reshape(-1, x.shape[-1])
+        qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK)
+        out = nvfp4.emulated_mm(qx, _weight_record(weight), out_dtype=x.dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.layer, ctx.in_shape = layer, x.shape
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight = ctx.saved_tensors
+        layer: NVFP4Linear = ctx.layer
+        grad_out = grad_out.reshape(-1, grad_out.shape[-1])
+        cfg = layer.config
+        sr = cfg.stochastic_rounding
+        gen = _draws(grad_out, layer.layer_seed, 0) if sr else None
+        qgo = nvfp4.quantize(grad_out, _amax(grad_out), nvfp4.ACTIVATION_BLOCK, generator=gen)
+        qwt = nvfp4.transposed(_weight_record(weight))
+        grad_x = nvfp4.emulated_mm(qgo, qwt, out_dtype=x2.dtype)
+        go_t, x_t = _pad_tokens(grad_out.t()), _pad_tokens(x2.t())
+        if cfg.hadamard_grad_weight:
+            matrix = layer.hadamard(grad_out.device)
+            go_t, x_t = nvfp4.rht(go_t.float(), matrix), nvfp4.rht(x_t.float(), matrix)
+        gen = _draws(go_t, layer.layer_seed, 1) if sr else None
+        qgo_t = nvfp4.quantize(go_t, _amax(go_t), nvfp4.ACTIVATION_BLOCK, generator=gen)
+        qx_t = nvfp4.quantize(x_t, _amax(x_t), nvfp4.ACTIVATION_BLOCK)
+        grad_w = nvfp4.emulated_mm(qgo_t, qx_t, out_dtype=weight.dtype)
+        return grad_x.reshape(ctx.in_shape), grad_w, None
+
+
+class NVFP4Linear(nn.Linear):
+    """nn.Linear with NVFP4 GEMMs (module docstring). Build it with `from_float` or
+    `convert_to_float8_training(model, config=NVFP4Config())`."""
+
+    float8_weight_names: tuple[str, ...] = ("weight",)  # what the float8 step asks
+    delayed_scaling = None  # NVFP4 scales are dynamic
+
+    def __init__(self, *args, config: NVFP4Config | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.config = NVFP4Config() if config is None else config
+        if not isinstance(self.config, NVFP4Config):
+            raise TypeError(f"config must be an NVFP4Config, got {type(self.config).__name__}")
+        if self.in_features % 16 or self.out_features % 16:
+            raise Float8ConfigError(
+                f"NVFP4 needs both linear dims to be multiples of 16 (1x16 blocks, 16x16 "
+                f"tiles), got ({self.in_features}, {self.out_features}); keep this layer in "
+                "high precision with module_filter_fn"
+            )
+        self.fqn = ""  # named by conversion: seeds the layer's random draws
+        self.register_load_state_dict_post_hook(_keep_weight_wrapped)
+        self._register_state_dict_hook(_plain_weight_in_state_dict)
+        self.wrap_weight_for_fsdp()
+
+    @classmethod
+    def from_float(cls, mod: nn.Linear, config: NVFP4Config | None = None) -> NVFP4Linear:
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False, config=config)
+        new.weight = mod.weight  # shared, not copied
+        new.bias = mod.bias
+        new.wrap_weight_for_fsdp()
+        return new
+
+    def wrap_weight_for_fsdp(self) -> None:
+        """With float8 (here NVFP4) all-gather, make the weight an `NVFP4FSDPWeight`."""
+        if not self.config.enable_fsdp_float8_all_gather:
+            return
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            if not isinstance(weight._local_tensor, Float8WeightWrapper):
+                weight._local_tensor = NVFP4FSDPWeight(weight._local_tensor, self.config)
+        elif not isinstance(weight, Float8WeightWrapper):
+            if weight.device.type != "meta":
+                note_replaced(weight, f"weight {tuple(weight.shape)} of an NVFP4Linear")
+            wrapped = NVFP4FSDPWeight(weight.data, self.config)
+            self.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+
+    @property
+    def fqn(self) -> str:
+        """The layer's name in its model: with the config's seed, it seeds the draws."""
+        return self._fqn
+
+    @fqn.setter
+    def fqn(self, name: str) -> None:
+        self._fqn = name
+        self._reseed()
+
+    def _reseed(self) -> None:
+        self.layer_seed = _seed(self.config.seed, self._fqn)
+        gen = torch.Generator().manual_seed(_seed(self.config.seed, self._fqn, "hadamard"))
+        self._hadamard = nvfp4.random_hadamard(gen)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "config" and hasattr(self, "_fqn"):
+            self._reseed()
+
+    def hadamard(self, device: torch.device) -> torch.Tensor:
+        return self._hadamard.to(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):
+            raise ValueError(
+                "NVFP4Linear does not support tensor parallelism (a DTensor weight "
+                f"{self.weight.placements}); use a float8 recipe for tensor-parallel layers"
+            )
+        if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+            raise TypeError(f"NVFP4Linear input has dtype {x.dtype}; expected a floating tensor")
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        elif x.dtype != self.weight.dtype:
+            raise TypeError(
+                f"NVFP4Linear input has dtype {x.dtype} but its weight is {self.weight.dtype}; "
+                "both must match, as nn.Linear needs (cast the input or use autocast)"
+            )
+        with torch.autocast(x.device.type, enabled=False):
+            out = _NVFP4LinearFn.apply(x, self.weight, self)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        flags = f"hadamard_gw={c.hadamard_grad_weight}, sr_go={c.stochastic_rounding}"
+        fsdp = ", fsdp_nvfp4_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
+        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}"
+
+
+NVFP4Config.linear_class = NVFP4Linear
+
+
+def _keep_weight_wrapped(module: NVFP4Linear, incompatible_keys) -> None:
+    module.wrap_weight_for_fsdp()  # load_state_dict(assign=True) swaps in a plain tensor
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    from fsdp_float8.weight_wrappers.base import state_dict_weight
+
+    key = prefix + "weight"
+    if key in state_dict:
+        weight = module.weight
+        state_dict[key] = state_dict_weight(weight, detach=state_dict[key] is not weight)
+
+
+def high_precision_ends(model: nn.Module, first: int = 1, last: int = 1, *, blocks: str = "layers"):
+    """A `module_filter_fn` for `model` converting the linears (dims multiples of 16) inside
+    its blocks `<blocks>.<i>.` except the first `first` and the last `last` blocks, and
+    nothing outside the blocks (embeddings, the output head), as NVIDIA's NVFP4 recipe keeps
+    them in high precision."""
+    pattern = re.compile(rf"(?:^|\.){re.escape(blocks)}\.(\d+)\.")
+    seen = {int(m.group(1)) for n, _ in model.named_modules() if (m := pattern.search(n + "."))}
+    if not seen:
+        raise ValueError(
+            f"no blocks named '{blocks}.<i>' in the model; pass blocks= the attribute that "
+            "holds the block list (e.g. blocks='layers' for model.layers)"
+        )
+    if first < 0 or last < 0 or first + last > len(seen):
+        raise ValueError(
+            f"first={first}, last={last}: expected two ints >= 0 summing to at most the "
+            f"{len(seen)} blocks"
+        )
+    end = max(seen) + 1 - last
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        match = pattern.search(fqn)
+        if match is None or not isinstance(module, nn.Linear):
+            return False
+        dims_ok = module.in_features % 16 == 0 and module.out_features % 16 == 0
+        return dims_ok and first <= int(match.group(1)) < end
+
+    return keep

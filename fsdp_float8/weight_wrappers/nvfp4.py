@@ -1,0 +1,159 @@
+"""An NVFP4 weight under FSDP2: each rank quantizes its shard in 16x16 tiles and the
+all-gather sends 4-bit codes plus one e4m3 byte per tile (0.504 bytes per element).
+
+Mental model: the two-level NVFP4 cast (`fsdp_float8.core.nvfp4`) needs the amax of the
+*whole* weight for its float32 tensor factor; the tile factors depend only on the tile.
+So a rank whose shard starts on a tile boundary quantizes exactly as the unsharded weight
+would be quantized, once it knows the global amax. That amax comes from the float8 step's
+one refresh collective after each optimizer step (stamped into the wrapper, as a dynamic
+tensorwise weight's precomputed scale is), or, when no fresh stamp exists, from a MAX
+all-reduce of this shard's amax over the shard mesh.
+
+Payload: two uint8 all-gather inputs, the packed codes `(rows, K / 2)` and the tile
+factors `(rows / 16, K / 16)`; both gather along dim 0 into the unsharded layout, so the
+gathered bytes are the GEMM operand as they arrive. The tensor factor (the same on every
+rank) travels in the metadata. Shards must be whole 16-row tiles (the block recipes' rule,
+`block.check_block_shards`); one shard takes any row count.
+
+The unsharded weight is an `NVFP4Weight`: a tensor subclass with the weight's shape and
+dtype that holds the quantized record. `NVFP4Linear` reads the record; any other op on it
+raises naming the op (nothing dequantizes silently).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_float8.core import nvfp4
+from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
+from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.weight_wrappers.base import _refuse_cpu_offload
+from fsdp_float8.weight_wrappers.block import check_block_shards
+from fsdp_float8.weight_wrappers.cast import WeightCast
+from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
+
+aten = torch.ops.aten
+TILE = nvfp4.WEIGHT_BLOCK
+
+
+class NVFP4Weight(torch.Tensor):
+    """The unsharded NVFP4 weight FSDP2 builds after the all-gather: `record` is the
+    quantized (N, K) weight in 16x16 tiles; shape and dtype are the high-precision weight's."""
+
+    record: nvfp4.NVFP4
+
+    @staticmethod
+    def __new__(cls, record: nvfp4.NVFP4, dtype: torch.dtype):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, record.shape, dtype=dtype, device=record.packed.device
+        )
+        self.record = record
+        return self
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        return f"NVFP4Weight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __tensor_flatten__(self):
+        return ["packed", "tiles", "tensor_inv"], self.dtype
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.record.packed
+
+    @property
+    def tiles(self) -> torch.Tensor:
+        return self.record.block_inv_scale
+
+    @property
+    def tensor_inv(self) -> torch.Tensor:
+        return self.record.tensor_inv_scale
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        record = nvfp4.NVFP4(inner["packed"], inner["tiles"], inner["tensor_inv"], TILE)
+        return NVFP4Weight(record, dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (aten.detach.default, aten.alias.default):
+            return NVFP4Weight(args[0].record, args[0].dtype)
+        # FSDP2 views the unsharded parameter as itself (its full size, from offset 0)
+        if func is aten.as_strided.default and _whole(args[0], *args[1:]):
+            return NVFP4Weight(args[0].record, args[0].dtype)
+        raise NotImplementedError(
+            f"{func} on an all-gathered NVFP4 weight: only NVFP4Linear's GEMMs read it "
+            "(dequantize with fsdp_float8.core.nvfp4.dequantize(weight.record) if needed)"
+        )
+
+
+def _whole(t: NVFP4Weight, size, stride, storage_offset=0) -> bool:
+    return list(size) == list(t.shape) and list(stride) == list(t.stride()) and not storage_offset
+
+
+def nvfp4_cast(config) -> WeightCast:
+    """What the float8 step reads of an NVFP4 weight: a dynamic weight with a tensor-wide
+    amax (refreshed in the step's collective), never per row."""
+    return WeightCast(
+        config=config,
+        strategy=None,  # type: ignore[arg-type]  # the hooks below never ask for one
+        float8_dtype=nvfp4.E4M3,
+        rowwise=False,
+        power_of_2=False,
+        emulate=True,
+        static_scale=None,
+    )
+
+
+class NVFP4FSDPWeight(DynamicFloat8Weight):
+    """A high-precision weight whose FSDP2 all-gather sends NVFP4 (module docstring)."""
+
+    @staticmethod
+    def __new__(cls, tensor, config, state=None, *, cast=None):
+        return DynamicFloat8Weight.__new__(
+            cls, tensor, config, state, cast=cast if cast is not None else nvfp4_cast(config)
+        )
+
+    @staticmethod
+    def stamps_from_amaxes(amaxes, float8_dtype, power_of_2) -> torch.Tensor:
+        return amaxes.clone()  # the stamp is the global amax itself
+
+    def global_amax(self, mesh) -> torch.Tensor:
+        """The whole weight's amax: the stamp of the last refresh while the weight is
+        unchanged since, else this shard's amax MAX-reduced over `mesh`."""
+        stamped = self.fresh_stamped_scale()
+        if stamped is not None:
+            return stamped
+        return reduce_amaxes([tensor_amax(self._tensor)], mesh).reshape(())
+
+    def float8_scale(self, mesh) -> torch.Tensor:
+        return self.global_amax(mesh)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        _refuse_cpu_offload(self, module)
+        if self.needs_refresh():
+            from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER
+
+            for hook in BEFORE_ALL_GATHER:
+                hook(module)
+        owner = f"the {tuple(outer_size)} weight of {type(module).__name__} (NVFP4 16x16 tiles)"
+        check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
+        sharded = getattr(module, self.param_name, None)
+        amax = self.global_amax(shard_group(sharded, None, mesh))
+        q = nvfp4.quantize(self._tensor, amax, TILE)
+        tiles = q.block_inv_scale.view(torch.uint8)
+        return (q.packed, tiles), q.tensor_inv_scale
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if isinstance(out, DTensor):
+            raise ValueError("NVFP4 weights do not support tensor parallelism; use a float8 recipe")
+        packed, tiles = all_gather_outputs
+        if out is not None:  # FSDP2 refilled the codes and tiles in place; the tensor factor
+            if not isinstance(out, NVFP4Weight) or out.packed.data_ptr() != packed.data_ptr():
+                raise TypeError(f"expected the unsharded NVFP4Weight over {packed.shape}")
+            out.tensor_inv.copy_(metadata)
+            return None
+        record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), metadata.clone(), TILE)
+        return NVFP4Weight(record, param_dtype), (packed, tiles)

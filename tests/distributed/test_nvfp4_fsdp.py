@@ -1,0 +1,114 @@
+"""NVFP4 under FSDP2 on 2 gloo ranks, with the weights all-gathered as NVFP4.
+
+- Losses equal, bit for bit, to a replicated reference (each rank's own batch, gradients
+  averaged by hand, the weight quantized unsharded from its whole amax): a shard on a tile
+  boundary quantizes as the unsharded weight does once it knows the global amax, which the
+  float8 step's refresh brings. Stochastic rounding and the Hadamard transform are on (their
+  draws depend on the layer's name and backward count, not on the rank).
+- All-gather bytes per gathered element: 0.5 + 1/256 (packed codes and one e4m3 byte per
+  16x16 tile; the tensor factor rides in the metadata), at most the 0.57 the recipe targets.
+- Scale collectives per steady step: 1 (the refresh vector), none per weight.
+- `reshard_after_forward=False`, activation checkpointing, and the float8 step turned off
+  (each weight then MAX-reduces its own amax at each all-gather): the same losses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import fully_shard
+
+from fsdp_float8 import NVFP4Config, convert_to_float8_training, float8_step
+from fsdp_float8.tools.comm_stats import CollectiveCounter
+from tests.distributed.launcher import cpu_mesh, run_distributed
+
+DIM, STEPS = 64, 4
+CONFIG = NVFP4Config(enable_fsdp_float8_all_gather=True)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False)]
+    model = nn.Sequential(*blocks, nn.Linear(DIM, DIM, bias=False))
+    return convert_to_float8_training(model, config=CONFIG)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(24, DIM, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(model(x)).pow(2).mean()
+
+
+def _reference(rank: int, world: int) -> list[float]:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, _batch(step, rank))
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _fsdp(
+    mesh, rank: int, *, reshard: bool = True, checkpoint: bool = False, step: bool = True
+) -> dict:
+    model = _model()
+    if not step:
+        float8_step(model).disable()
+    for i, layer in enumerate(model):
+        if checkpoint:
+            model[i] = layer = checkpoint_wrapper(layer)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, gathered, scale_reduces = [], [], []
+    for step in range(STEPS):
+        with CollectiveCounter() as counter:
+            loss = _loss(model, _batch(step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+        gathered.append(counter.bytes("all_gather"))
+        scale_reduces.append(
+            sum(1 for r in counter.records if str(r.kind) == "all_reduce" and r.reduce_op == "max")
+        )
+    return {"losses": losses, "all_gather_bytes": gathered, "scale_reduces": scale_reduces}
+
+
+def _grid(rank: int, world: int) -> dict:
+    mesh = cpu_mesh(world)
+    return {
+        "reference": _reference(rank, world),
+        "fsdp": _fsdp(mesh, rank),
+        "no_reshard": _fsdp(mesh, rank, reshard=False)["losses"],
+        "checkpoint": _fsdp(mesh, rank, checkpoint=True)["losses"],
+        "no_step": _fsdp(mesh, rank, step=False),
+    }
+
+
+def test_nvfp4_all_gather_trains_as_the_replicated_reference(tmp_path):
+    for out in run_distributed(_grid, 2, tmp_path, timeout_s=300):
+        fsdp = out["fsdp"]
+        assert fsdp["losses"] == out["reference"], out
+        assert out["no_reshard"] == out["reference"], out
+        assert out["checkpoint"] == out["reference"], out
+        # per step: each weight gathered for forward and again for backward, this rank's
+        # half of each (weights of 2, 2 and 1 DIM x DIM)
+        elements = 2 * (5 * DIM * DIM) // 2
+        per_element = [b / elements for b in fsdp["all_gather_bytes"]]
+        assert per_element == [0.5 + 1 / 256] * STEPS, per_element
+        assert fsdp["scale_reduces"][1:] == [1] * (STEPS - 1), fsdp["scale_reduces"]
+        no_step = out["no_step"]
+        assert no_step["losses"] == out["reference"], out
+        assert no_step["scale_reduces"] == [6] * STEPS, no_step  # one per all-gather
