@@ -141,7 +141,13 @@ def weight_for(weight: torch.Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, con
     # gathered; grad_input SQNR within ~0.1 dB (rowwise) / ~2.5 dB (tensorwise,
     # rowwise_with_gw_hp) of a cast from hp)
     strategy = plan.strategies[(Operand.WEIGHT, gemm)]
-    if rows[0].dim() == 2 and isinstance(strategy, DynamicScaling):
+    # a scale that broadcasts (tensorwise, per column): re-cast in place; blocks need
+    # their own cast, from the dequantized weight
+    if (
+        rows[0].dim() == 2
+        and isinstance(strategy, DynamicScaling)
+        and isinstance(strategy.granularity, (Tensorwise, Axiswise))
+    ):
         return _columns_from_rows(rows[0], scale, strategy, plan.dtypes[(Operand.WEIGHT, gemm)])
     hp = rows[0].to(torch.float32)
     hp.mul_(scale.reciprocal())  # in place: the one float32 copy of the weight
