@@ -23,7 +23,14 @@ import torch
 from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import GEMM_OPERANDS, GEMMS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
-from fsdp_float8.core.scaling import Axiswise, Granularity, ScalingStrategy, Tensorwise
+from fsdp_float8.core.scaling import (
+    Axiswise,
+    DynamicScaling,
+    Granularity,
+    ScalingStrategy,
+    Tensorwise,
+    float8_max,
+)
 
 CASTS: tuple[tuple[Operand, Gemm], ...] = tuple(
     (op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops
@@ -133,5 +140,30 @@ def weight_for(weight: torch.Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, con
     # grad_input contracts over the rows: re-cast from the row-cast weight (no extra bytes
     # gathered; grad_input SQNR within ~0.1 dB (rowwise) / ~2.5 dB (tensorwise,
     # rowwise_with_gw_hp) of a cast from hp)
-    hp = rows[0].to(torch.float32) * scale.reciprocal()
+    strategy = plan.strategies[(Operand.WEIGHT, gemm)]
+    # a scale that broadcasts (tensorwise, per column): re-cast in place; blocks need
+    # their own cast, from the dequantized weight
+    if (
+        rows[0].dim() == 2
+        and isinstance(strategy, DynamicScaling)
+        and isinstance(strategy.granularity, (Tensorwise, Axiswise))
+    ):
+        return _columns_from_rows(rows[0], scale, strategy, plan.dtypes[(Operand.WEIGHT, gemm)])
+    hp = rows[0].to(torch.float32)
+    hp.mul_(scale.reciprocal())  # in place: the one float32 copy of the weight
     return cast(hp, Operand.WEIGHT, gemm, plan, context)
+
+
+def _columns_from_rows(
+    data: torch.Tensor, row_scale: torch.Tensor, strategy: DynamicScaling, dtype: torch.dtype
+) -> Pair:
+    """A row-cast (N, K) weight re-cast along N for grad_input, in the GEMM's column-major
+    layout: one float32 (K, N) buffer, dequantized, scaled and clamped in place, plus the
+    amax's transient |x| (a bf16 weight cast from hp writes ~1.75 float32 weights' bytes).
+    The same values as dequantize-then-`cast_operand` (elementwise ops, exact max)."""
+    hp_t = data.t().to(torch.float32, memory_format=torch.contiguous_format)
+    hp_t.mul_(row_scale.reciprocal().t())
+    scale = strategy.scale(hp_t, 1, dtype)  # (K, 1) or 0-d
+    fmax = float8_max(dtype)
+    hp_t.mul_(scale).clamp_(min=-fmax, max=fmax)
+    return hp_t.to(dtype).t(), (scale.t() if scale.dim() == 2 else scale)
