@@ -30,6 +30,7 @@ CONFIGS: dict[str, list[str]] = {
     "delayed": ["--recipe", "tensorwise", "--scaling", "delayed", "--fp8-all-gather"],
     "blockwise": ["--recipe", "blockwise"],
     "mxfp8": ["--recipe", "mxfp8", "--fp8-all-gather"],
+    "nvfp4": ["--recipe", "nvfp4", "--fp8-all-gather"],
 }
 BASELINE = "bf16"
 HEADERS = ["config", "final train loss (avg 10)", "val loss", "val vs bf16", "tokens/s"]

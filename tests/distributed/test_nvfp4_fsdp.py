@@ -8,14 +8,19 @@
 - All-gather bytes per gathered element: 0.5 + 1/256 (packed codes and one e4m3 byte per
   16x16 tile; the tensor factor rides in the metadata), at most the 0.57 the recipe targets.
 - Scale collectives per steady step: 1 (the refresh vector), none per weight.
+- A DCP checkpoint (plain high-precision weights) saved after 2 steps and loaded into a
+  fresh sharded model continues with the same losses; a weight whose shards are not whole
+  16-row tiles is refused at its first all-gather, naming the weight.
 - `reshard_after_forward=False`, activation checkpointing, and the float8 step turned off
   (each weight then MAX-reduces its own amax at each all-gather): the same losses.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
@@ -59,9 +64,7 @@ def _reference(rank: int, world: int) -> list[float]:
     return losses
 
 
-def _fsdp(
-    mesh, rank: int, *, reshard: bool = True, checkpoint: bool = False, step: bool = True
-) -> dict:
+def _sharded(mesh, *, reshard: bool = True, checkpoint: bool = False, step: bool = True):
     model = _model()
     if not step:
         float8_step(model).disable()
@@ -70,9 +73,13 @@ def _fsdp(
             model[i] = layer = checkpoint_wrapper(layer)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _fsdp(mesh, rank: int, steps=range(STEPS), model_opt=None, **kw) -> dict:
+    model, opt = model_opt or _sharded(mesh, **kw)
     losses, gathered, scale_reduces = [], [], []
-    for step in range(STEPS):
+    for step in steps:
         with CollectiveCounter() as counter:
             loss = _loss(model, _batch(step, rank))
             loss.backward()
@@ -86,9 +93,36 @@ def _fsdp(
     return {"losses": losses, "all_gather_bytes": gathered, "scale_reduces": scale_reduces}
 
 
-def _grid(rank: int, world: int) -> dict:
+def _resumed(mesh, rank: int, ckpt: str) -> list[float]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _sharded(mesh)
+    _fsdp(mesh, rank, range(2), (model, opt))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    fresh, fresh_opt = _sharded(mesh)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return _fsdp(mesh, rank, range(2, STEPS), (fresh, fresh_opt))["losses"]
+
+
+def _uneven(mesh) -> str:
+    model = convert_to_float8_training(nn.Sequential(nn.Linear(DIM, 48)), config=CONFIG)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError) as err:
+        model(torch.randn(4, DIM))
+    return str(err.value)
+
+
+def _grid(rank: int, world: int, ckpt: str) -> dict:
     mesh = cpu_mesh(world)
     return {
+        "resumed": _resumed(mesh, rank, ckpt),
+        "uneven": _uneven(mesh),
         "reference": _reference(rank, world),
         "fsdp": _fsdp(mesh, rank),
         "no_reshard": _fsdp(mesh, rank, reshard=False)["losses"],
@@ -98,11 +132,13 @@ def _grid(rank: int, world: int) -> dict:
 
 
 def test_nvfp4_all_gather_trains_as_the_replicated_reference(tmp_path):
-    for out in run_distributed(_grid, 2, tmp_path, timeout_s=300):
+    for out in run_distributed(_grid, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=300):
         fsdp = out["fsdp"]
         assert fsdp["losses"] == out["reference"], out
         assert out["no_reshard"] == out["reference"], out
         assert out["checkpoint"] == out["reference"], out
+        assert out["resumed"] == out["reference"][2:], out
+        assert "(48, 64) weight of" in out["uneven"] and "whole 16-row blocks" in out["uneven"]
         # per step: each weight gathered for forward and again for backward, this rank's
         # half of each (weights of 2, 2 and 1 DIM x DIM)
         elements = 2 * (5 * DIM * DIM) // 2

@@ -42,6 +42,8 @@ from f8train.train_args import parse_args
         (["--recipe", "off", "--emulate"], "--emulate has no effect with --recipe off"),
         (["--recipe", "off", "--token-dtype", "uint32"], "--token-dtype uint32 applies to a"),
         (["--steps", "5", "--stop-at-step", "5"], "--stop-at-step 5 is not before --steps 5"),
+        (["--recipe", "nvfp4", "--emulate"], "--emulate has no effect with --recipe nvfp4"),
+        (["--recipe", "nvfp4", "--numerics-every", "5"], "--numerics-every has no effect with"),
         (["--data", __file__, "--cache-dir", "/tmp/x"], "but --data " + __file__ + " is one"),
     ],
 )
@@ -146,3 +148,18 @@ def test_default_out_is_one_folder_per_recipe(tmp_path: Path, monkeypatch) -> No
     assert parse_args(["--recipe", "off"]).out == "runs/train-off"
     assert parse_args(["--recipe", "mxfp8"]).out == "runs/train-mxfp8"
     assert parse_args(["--recipe", "off", "--out", "mine"]).out == "mine"
+
+
+def test_nvfp4_recipe_config(tmp_path: Path) -> None:
+    from f8train.float8_flags import describe, float8_config
+    from fsdp_float8 import NVFP4Config
+
+    out = ["--out", str(tmp_path / "run")]
+    args = parse_args(["--recipe", "nvfp4", *out])
+    assert float8_config(args) == NVFP4Config(enable_fsdp_float8_all_gather=True)
+    assert describe(args).startswith("nvfp4/dynamic fp4-all-gather")
+    no_ag = parse_args(["--recipe", "nvfp4", "--no-fp8-all-gather", *out])
+    assert float8_config(no_ag) == NVFP4Config()
+    delayed = parse_args(["--recipe", "nvfp4", "--scaling", "delayed", *out])
+    with pytest.raises(SystemExit, match="NVFP4 scales are dynamic"):
+        float8_config(delayed)
