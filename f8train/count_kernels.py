@@ -8,7 +8,10 @@ Run (from the repository root; no torchrun: the eager part spawns its own 2 CPU 
 Two clock-free counts of the work around the GEMMs, for bf16, this library per recipe and
 torchao's float8 where it imports: inductor's kernels for one SwiGLU block, forward +
 backward, and the non-view aten ops of one steady FSDP2 step on 2 gloo ranks (`top` as a
-dispatch mode sees them, `deep` inside the float8 subclasses too); docs/results.md says more.
+dispatch mode sees them, `deep` inside the float8 subclasses too). For that step also the
+bytes the `deep` ops other than GEMMs and collectives write, in MB (10^6 bytes) per rank:
+fresh outputs and in-place targets, no views (`bench_common.written_bytes`).
+docs/results.md says more.
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ def eager_step_ops(rank: int, world: int, lib: str, recipe: str) -> dict:
     losses = [train_step(run, preset, s, rank, cpu).item() for s in range(2)]
     with OpCounter() as counter:
         losses.append(train_step(run, preset, 2, rank, cpu).item())
-    return {"top": dict(counter.top), "deep": dict(counter.deep), "losses": losses}
+    top, deep, written = dict(counter.top), dict(counter.deep), dict(counter.written)
+    return {"top": top, "deep": deep, "written": written, "losses": losses}
 
 
 def _eager_worker(rank: int, world: int, tmp: str, cases: list) -> None:
@@ -108,7 +112,8 @@ def eager_counts(cases: list[tuple[str, str]], world: int = WORLD) -> dict:
         mp.spawn(_eager_worker, args=(world, tmp, cases), nprocs=world)
         per_rank = pickle.loads(Path(tmp, "results.pkl").read_bytes())
     for key, result in per_rank[0].items():
-        result["ranks_agree"] = all(o[key].get("top") == result.get("top") for o in per_rank)
+        same = [o[key].get(k) == result.get(k) for o in per_rank for k in ("top", "written")]
+        result["ranks_agree"] = all(same)
     return per_rank[0]
 
 
@@ -152,6 +157,8 @@ def eager_table(cases: list[tuple[str, str]]) -> dict:
                 "top": sum(r["top"].values()),
                 "deep": sum(r["deep"].values()),
                 "clone": r["top"].get("clone", 0),
+                "nongemm_mb": sum(r["written"].values()) / 1e6,
+                "written_by_op": r["written"],
                 "by_op_top": r["top"],
                 "by_op_deep": r["deep"],
                 "final_loss": r["losses"][-1],
@@ -161,13 +168,24 @@ def eager_table(cases: list[tuple[str, str]]) -> dict:
     return results
 
 
+def _mb_cells(eager: dict, label: str) -> list:
+    """Non-GEMM MB written, and on this library's rows ours / torchao's where both ran."""
+    mb = eager.get(label, {}).get("nongemm_mb")
+    theirs = eager.get(label.replace("fsdp_float8 ", "torchao ", 1), {}).get("nongemm_mb")
+    ratio = "-"
+    if label.startswith("fsdp_float8 ") and mb is not None and theirs:
+        ratio = f"{mb:.2f} / {theirs:.2f} ({mb / theirs:.2f}x)"
+    return ["-" if mb is None else f"{mb:.2f}", ratio]
+
+
 def markdown(compiled: dict, eager: dict) -> str:
     rows = []
     for label in dict.fromkeys([*compiled, *eager]):
         e = eager.get(label, {})
         cells = [e.get("top", e.get("error", "-")), e.get("deep", "-"), e.get("clone", "-")]
-        rows.append([label, compiled.get(label, "-"), *cells])
+        rows.append([label, compiled.get(label, "-"), *cells, *_mb_cells(eager, label)])
     headers = ["", "compiled kernels", "eager ops (top)", "eager ops (deep)", "eager clones"]
+    headers += ["non-GEMM MB written", "MB ours / torchao"]
     return markdown_table(headers, rows)
 
 

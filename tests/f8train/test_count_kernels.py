@@ -1,7 +1,8 @@
 """The hot path stays lean: pinned kernel and op counts (`f8train/count_kernels.py`).
 
 Both counts are deterministic (no clock): inductor's generated kernel count for the SwiGLU
-block, forward + backward, and the non-view aten ops of one steady FSDP2 step on 2 ranks.
+block, forward + backward, and the non-view aten ops of one steady FSDP2 step on 2 ranks,
+with the bytes its non-GEMM ops write.
 Each pin is the figure measured when the hot path was last made lighter; a change that
 adds work to it fails here. A change that removes work should lower the pin. torchao's
 figures (0.18.0, torch 2.13, measured by the script where torchao imports) are written
@@ -33,6 +34,9 @@ EAGER_TORCHAO = {"tensorwise": (2103, 2355), "rowwise": (3048, 3524)}
 # (tensorwise grad_output; the float8-gathered weight for grad_input); rowwise casts each
 # GEMM's operand in its own layout
 TRANSPOSED_COPIES = {"tensorwise": 2, "rowwise": 0}
+# bytes written per rank by the step's non-GEMM ops (`OpCounter.written`)
+WRITTEN_PIN = {"tensorwise": 434_172_776, "rowwise": 573_109_448}
+WRITTEN_TORCHAO = {"tensorwise": 503_395_912, "rowwise": 618_363_528}
 BF16_CLONES = 13  # FSDP2's and the model's own, in the bf16 step
 LINEARS = 28
 
@@ -50,10 +54,14 @@ def test_compiled_kernels_pinned(recipe):
 
 @pinned
 def test_eager_ops_pinned():
-    results = eager_counts([("ours", "tensorwise"), ("ours", "rowwise")])
+    results = eager_counts([("ours", "bf16"), ("ours", "tensorwise"), ("ours", "rowwise")])
+    assert all("error" not in r and r["ranks_agree"] for r in results.values()), results
+    bf16_written = sum(results.pop(("ours", "bf16"))["written"].values())
     for (_, recipe), r in results.items():
-        assert "error" not in r, r
-        assert r["ranks_agree"], recipe
+        written = sum(r["written"].values())
+        assert WRITTEN_PIN[recipe] <= WRITTEN_TORCHAO[recipe]
+        # the casts around the GEMMs write what a bf16 step does not
+        assert bf16_written < written <= WRITTEN_PIN[recipe], (recipe, written, r["written"])
         top, deep = sum(r["top"].values()), sum(r["deep"].values())
         pin, theirs = EAGER_PIN[recipe], EAGER_TORCHAO[recipe]
         assert pin[0] <= theirs[0] and pin[1] <= theirs[1]
@@ -80,3 +88,29 @@ def test_op_counter_opens_float8_subclasses_and_counts_copies():
     # the CPU GEMM op's tensorwise scales laid out as rows and columns
     assert counter.deep["clone"] >= 3 and counter.deep["_scaled_mm"] == 1
     assert counter.deep["reciprocal"] == 2 and "mm" not in counter.deep
+
+
+def test_op_counter_counts_bytes_written_outside_gemms():
+    from fsdp_float8 import hp_to_float8
+    from fsdp_float8.core.config import E4M3
+
+    fp8 = hp_to_float8(torch.randn(8, 16), torch.tensor(2.0), E4M3)
+    torch.mm(fp8, fp8.t())  # first call: this torch's CPU GEMM probe runs once
+    a, b = torch.randn(4, 8), torch.randn(8, 16)  # float32: 128 and 512 bytes
+    with OpCounter() as counter:
+        a.t(), a.reshape(32), a.t().reshape(8, 4), a.contiguous()  # views: nothing written
+        a.t().contiguous()  # a copy: 128
+        a.add_(1.0)  # in place: its 128 bytes, once (the returned self aliases it)
+        torch._foreach_mul_([a, b], 2.0)  # in place, returns nothing: 128 + 512
+        a.to(torch.bfloat16)  # 64
+        torch.mm(a, b)  # a GEMM: not counted
+        torch.empty(100)  # allocates, writes nothing
+        fp8.t().contiguous()  # inside the subclass: float8 data 128 + float32 scale 4
+        torch.mm(fp8, fp8.t())  # inside: two inverse scales (4 + 4); the GEMM op not
+    assert dict(counter.written) == {
+        "clone": 128 + 132,
+        "add_": 128,
+        "_foreach_mul_": 640,
+        "_to_copy": 64,
+        "reciprocal": 8,
+    }
