@@ -292,8 +292,9 @@ class OpCounter(TorchDispatchMode):
     `deep` opens the float8 subclasses (fsdp_float8's, torchao's; not DTensor) and the CPU
     GEMM op and counts what they run inside instead. `kinds`: every top op, views too, by
     `kind(name, args, kwargs)` when given. Host reads are `top["_local_scalar_dense"]`.
-    `written`: bytes written by the `deep` ops that are no GEMM (`GEMM_OPS`, and all that
-    runs inside the CPU GEMM op, as it runs inside a CUDA GEMM), by name (`written_bytes`)."""
+    `written`: bytes written by the `deep` ops and FSDP2's copy ops that are no GEMM
+    (`GEMM_OPS`, and all that runs inside the CPU GEMM op, as it runs inside a CUDA GEMM)
+    and no collective, by name (`written_bytes`)."""
 
     def __init__(self, kind: Callable[[str, tuple, dict], str] | None = None) -> None:
         super().__init__()
@@ -324,9 +325,10 @@ class OpCounter(TorchDispatchMode):
                 self.top[name] += 1
             if inner is None:
                 self.deep[name] += 1
-                if not (self._in_gemm or name in GEMM_OPS or name in _NO_WRITE):
-                    if n := written_bytes(func, args, kwargs, out):
-                        self.written[name] += n
+        writes = func.namespace in (*_COUNTED, "fsdp") and inner is None and not self._in_gemm
+        if writes and name not in GEMM_OPS and name not in _NO_WRITE:
+            if n := written_bytes(func, args, kwargs, out):
+                self.written[name] += n
         return out
 
 
@@ -334,7 +336,12 @@ def written_bytes(func, args: tuple, kwargs: dict, out) -> int:
     """Bytes (numel * element_size) an op writes: each argument it mutates (in place,
     `out=`), whole; and each returned tensor with storage of its own. A return that shares
     storage with an input (a view, the `self` an in-place op returns, a `contiguous` that
-    copied nothing) is no new write. A DTensor counts its local shard (bytes per rank)."""
+    copied nothing) is no new write. A DTensor counts its local shard (bytes per rank).
+    FSDP2's copy ops (namespace `fsdp`) count too: `chunk_cat` and `split_with_sizes_copy`
+    by their `out`; `all_gather_copy_in` writes its shards into the all-gather buffer that
+    it returns (the gather itself, a collective, fills the rest)."""
+    if func.namespace == "fsdp" and func.overloadpacket.__name__ == "all_gather_copy_in":
+        return _nbytes(args[0])
     schema, total = func._schema, 0
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:

@@ -35,8 +35,8 @@ EAGER_TORCHAO = {"tensorwise": (2103, 2355), "rowwise": (3048, 3524)}
 # GEMM's operand in its own layout
 TRANSPOSED_COPIES = {"tensorwise": 2, "rowwise": 0}
 # bytes written per rank by the step's non-GEMM ops (`OpCounter.written`)
-WRITTEN_PIN = {"tensorwise": 434_172_776, "rowwise": 573_109_448}
-WRITTEN_TORCHAO = {"tensorwise": 503_395_912, "rowwise": 618_363_528}
+WRITTEN_PIN = {"tensorwise": 455_412_328, "rowwise": 603_048_904}
+WRITTEN_TORCHAO = {"tensorwise": 524_635_464, "rowwise": 648_302_984}
 BF16_CLONES = 13  # FSDP2's and the model's own, in the bf16 step
 LINEARS = 28
 
@@ -91,12 +91,15 @@ def test_op_counter_opens_float8_subclasses_and_counts_copies():
 
 
 def test_op_counter_counts_bytes_written_outside_gemms():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: F401 (fsdp ops)
+
     from fsdp_float8 import hp_to_float8
     from fsdp_float8.core.config import E4M3
 
     fp8 = hp_to_float8(torch.randn(8, 16), torch.tensor(2.0), E4M3)
     torch.mm(fp8, fp8.t())  # first call: this torch's CPU GEMM probe runs once
     a, b = torch.randn(4, 8), torch.randn(8, 16)  # float32: 128 and 512 bytes
+    c, d = torch.empty(24), torch.empty(24)
     with OpCounter() as counter:
         a.t(), a.reshape(32), a.t().reshape(8, 4), a.contiguous()  # views: nothing written
         a.t().contiguous()  # a copy: 128
@@ -107,7 +110,13 @@ def test_op_counter_counts_bytes_written_outside_gemms():
         torch.empty(100)  # allocates, writes nothing
         fp8.t().contiguous()  # inside the subclass: float8 data 128 + float32 scale 4
         torch.mm(fp8, fp8.t())  # inside: two inverse scales (4 + 4); the GEMM op not
+        # FSDP2's copy-in (rank 1's two shards into the 2-rank gather buffer) and copy-out
+        gathered = torch.empty(2 * 24)
+        torch.ops.fsdp.all_gather_copy_in([a[0], b[0]], gathered, [8, 16], 24, 1)  # 96
+        torch.ops.fsdp.split_with_sizes_copy(gathered, [24, 24], out=[c, d])  # 192
     assert dict(counter.written) == {
+        "all_gather_copy_in": 96,
+        "split_with_sizes_copy": 192,
         "clone": 128 + 132,
         "add_": 128,
         "_foreach_mul_": 640,
