@@ -1,7 +1,8 @@
 """Fake CUDA: the three GEMMs of an NVFP4Linear on B200 (SM100) as `F.scaled_mm` calls
 with e2m1 operands and [BlockWise1x16, TensorWise] scales, bf16 and fp32 parameters (the
 latter under autocast), token counts and contraction dims that are not multiples of 32; on
-H200 (SM90) the refusal with its remedy, and `emulate=True` running the emulated GEMMs.
+H200 (SM90) the refusal with its remedy, and `emulate=True` running the emulated GEMMs;
+FSDP2 on 8 fake ranks gathering the weights as NVFP4 into the FP4 GEMMs.
 A broken kernel rule fails naming it (`tests.fakecuda.fake_cuda`)."""
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from unittest import mock
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_float8 import NVFP4Config, NVFP4Linear
+from fsdp_float8 import NVFP4Config, NVFP4Linear, convert_to_float8_training
 from fsdp_float8.core import nvfp4
 from tests.fakecuda.cases import PARAMS
 from tests.fakecuda.fake_cuda import B200, H200, backward, fake_cuda
+from tests.fakecuda.fake_fsdp import fake_world
+from tests.models import Transformer, model_args
 
 pytestmark = pytest.mark.fakecuda
 
@@ -90,3 +94,30 @@ def test_sm90_with_emulate_runs_the_emulated_gemms(params):
         _run(_layer((64, 32), params, NVFP4Config(emulate=True)), (2, 5), params)
     assert rules.calls.get("_scaled_mm_v2", 0) == 0
     assert emulated.call_count == 3
+
+
+def test_fsdp2_fp4_all_gather_on_sm100():
+    # 8 fake ranks, 2 blocks of the tiny model (dims 256): each shard holds whole 16-row
+    # tiles; the gathered NVFP4 weights feed the FP4 GEMMs directly
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    config = NVFP4Config(enable_fsdp_float8_all_gather=True)
+    with fake_world((8,)) as mesh, fake_cuda(B200) as rules:
+        with torch.device("cuda"):
+            model = Transformer(model_args("tiny", dim=256, multiple_of=128, n_layers=2))
+            data = torch.randint(0, 256, (2, 41))  # 80 tokens
+        convert_to_float8_training(model, config=config, module_filter_fn=_blocks_only)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        logits = model(data[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), data[:, 1:].flatten())
+        backward(loss)
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    assert len(layers) == 14 and rules.calls["_scaled_mm_v2"] == 3 * len(layers)
+    assert rules.calls["_allgather_base_"] > 0, dict(rules.calls)
+
+
+def _blocks_only(module: nn.Module, fqn: str) -> bool:
+    return fqn.startswith("blocks.")
