@@ -60,7 +60,6 @@ def default_all_gather(args: argparse.Namespace) -> bool:
 
 # flags that NVFP4 layers cannot honour, as (attribute, flag, is it set?, why)
 _NOT_NVFP4 = (
-    ("emulate", "--emulate", bool, "NVFP4 GEMMs are always emulated"),
     ("numerics_every", "--numerics-every", bool, "the float8 telemetry reads float8 layers"),
 )
 
@@ -77,7 +76,9 @@ def float8_config(args: argparse.Namespace) -> Float8LinearConfig | NVFP4Config 
                 f"--scaling {args.scaling} with --recipe nvfp4: NVFP4 scales are dynamic "
                 "(each tensor's own amax); use --scaling dynamic"
             )
-        return NVFP4Config(enable_fsdp_float8_all_gather=default_all_gather(args))
+        return NVFP4Config(
+            enable_fsdp_float8_all_gather=default_all_gather(args), emulate=args.emulate
+        )
     overrides: dict = {
         "enable_fsdp_float8_all_gather": default_all_gather(args),
         "emulate": args.emulate,

@@ -80,7 +80,7 @@ _FLAGS: dict[str, list[tuple]] = {
         ("--delayed-history", POS_INT, None, f"amax history (default {DEFAULT_DELAYED_HISTORY})"),
         ("--static-scales", None, None, "e.g. input=64,weight=2048,grad_output=1048576"),
         ("--float8-skip", "append", [], "fqn glob kept in high precision (repeatable)", "GLOB"),
-        ("--emulate", FLAG, False, "emulated float8 GEMMs (GPUs without float8)"),
+        ("--emulate", FLAG, False, "emulated float8/NVFP4 GEMMs (GPUs without them)"),
         ("--float8-reduce-scatter", FLAG, False, "reduce-scatter gradients in float8"),
         ("--numerics-every", NONNEG_INT, 0, "sample float8 numerics every N steps", "N"),
     ],

@@ -82,12 +82,13 @@ def _k_padded_t(scale: torch.Tensor) -> torch.Tensor:
 
 
 def swizzle_32_4_4(scale: torch.Tensor) -> torch.Tensor:
-    """(R, C) e8m0 scales in the blocked layout of cuBLAS MX GEMMs: rows padded to 128 and
-    columns to 4, each 128x4 tile stored as 32 rows of 16 (row r of the tile at (r % 32,
-    4 * (r // 32) + c)), tiles in row-major order, flattened."""
+    """(R, C) one-byte block scales (e8m0, e4m3) in the blocked layout of cuBLAS block-scaled
+    GEMMs, same dtype: rows padded to 128 and columns to 4 (with zero bytes), each 128x4
+    tile stored as 32 rows of 16 (row r of the tile at (r % 32, 4 * (r // 32) + c)), tiles
+    in row-major order, flattened."""
     r, c = scale.shape
     raw = scale.view(torch.uint8)
     raw = F.pad(raw, (0, -c % 4, 0, -r % 128))
     tr, tc = raw.shape[0] // 128, raw.shape[1] // 4
     tiles = raw.reshape(tr, 4, 32, tc, 4).permute(0, 3, 2, 1, 4)  # (tr, tc, 32, 4, 4)
-    return tiles.reshape(-1).view(E8M0)
+    return tiles.reshape(-1).view(scale.dtype)

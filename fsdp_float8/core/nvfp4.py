@@ -1,4 +1,4 @@
-"""NVFP4 numerics: the e2m1 cast, two-level scales, the emulated GEMM and the Hadamard transform.
+"""NVFP4 numerics: the e2m1 cast, two-level scales, the GEMMs and the Hadamard transform.
 
 Mental model. An NVFP4 tensor is 4-bit e2m1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6;
 a sign bit), two per byte, times two dequantization factors: one e4m3 per block of 16
@@ -50,9 +50,17 @@ R is orthogonal, so (a R)(b R)^T = a b^T: applied along the contraction dim of b
 operands of a GEMM (grad_weight's token dim) it leaves the product unchanged while spreading
 outliers across each block before the cast.
 
+GEMMs: `nvfp4_mm(a, b)` = a (M, K) @ b (N, K)^T, both quantized along K. On CUDA SM100+
+(Blackwell) one cuBLAS FP4 GEMM (`F.scaled_mm`): the codes as float4_e2m1fn_x2 with K
+zero-padded to a multiple of 32, b column-major, per operand the scales [e4m3 factors of
+1x16 blocks swizzled SWIZZLE_32_4_4 (a 16x16 tile's factor repeated over its 16 rows), the
+float32 tensor factor] with recipe [BlockWise1x16, TensorWise]. On CPU (no FP4 GEMM there)
+and with `emulate=True`, `emulated_mm`: both dequantized, one float32 matmul. A CUDA device
+below SM100 is refused (`check_nvfp4_gemm_device`) naming the remedy, emulate=True.
+
 All-gather payload: packed nibbles plus one e4m3 byte per block, 0.5 + 1/256 bytes per
-element for 16x16 tiles and 0.5 + 1/16 for 1x16 (`bytes_per_element`), plus one float32
-per tensor.
+element for 16x16 tiles and 0.5 + 1/16 for 1x16, plus one float32 per tensor
+(`weight_wrappers/nvfp4.py` counts them).
 """
 
 from __future__ import annotations
@@ -61,8 +69,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from fsdp_float8.core.blocks import Block, expand_block_scale, scale_shape
+from fsdp_float8.core.blocks import Block, expand_block_scale
+from fsdp_float8.core.blocks_cuda import swizzle_32_4_4
 from fsdp_float8.core.scaling import block_amax
 
 E2M1_MAX = 6.0
@@ -303,15 +313,81 @@ def transposed(q: NVFP4) -> NVFP4:
     return NVFP4(pack_e2m1(codes.contiguous()), block_inv, q.tensor_inv_scale, q.block)
 
 
+def _check_mm(a: NVFP4, b: NVFP4) -> None:
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"an NVFP4 GEMM takes a (M, K) and b (N, K) with the same K, got {tuple(a.shape)} "
+            f"and {tuple(b.shape)}; quantize the right operand transposed"
+        )
+
+
 def emulated_mm(a: NVFP4, b: NVFP4, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """a (M, K) @ b (N, K)^T, both quantized along K (their last dim, as `F.linear`'s input
     and weight): each dequantized to float32, one float32 matmul, then `out_dtype`."""
-    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(
-            f"emulated_mm takes a (M, K) and b (N, K) with the same K, got {tuple(a.shape)} "
-            f"and {tuple(b.shape)}; quantize the right operand transposed"
-        )
+    _check_mm(a, b)
     return torch.mm(dequantize(a), dequantize(b).t()).to(out_dtype)
+
+
+def nvfp4_gemm_problem(device: torch.device) -> str | None:
+    """Why the CUDA `device` cannot run FP4 GEMMs; None when it can (SM100+, Blackwell)."""
+    if torch.version.hip is not None:
+        return f"ROCm torch has no NVFP4 scaled_mm ({device})"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (10, 0):
+        return f"NVFP4 GEMMs need SM100 or newer (Blackwell); {device} is SM{major}{minor}"
+    return None
+
+
+def check_nvfp4_gemm_device(device: torch.device | str, *, emulate: bool) -> None:
+    """Refuse a CUDA device without FP4 GEMMs unless `emulate` (a meta device is judged by
+    the current CUDA device, if any). CPU and other devices pass: they always emulate."""
+    device = torch.device(device)
+    if emulate:
+        return
+    if device.type == "meta" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    problem = nvfp4_gemm_problem(device) if device.type == "cuda" else None
+    if problem is not None:
+        raise ValueError(
+            f"{problem}. Set NVFP4Config(emulate=True) to run the same NVFP4 numerics with "
+            "emulated GEMMs (operands dequantized to float32) on this device, or train it "
+            "with a float8 recipe"
+        )
+
+
+def _cuda_operand(q: NVFP4) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """q (R, K) as `F.scaled_mm` takes it: the codes as float4_e2m1fn_x2 with K zero-padded
+    to a multiple of 32 (rows of 16 bytes), and [its e4m3 factors per 1x16 block (a 16x16
+    tile's factor repeated over its 16 rows) swizzled SWIZZLE_32_4_4, the tensor factor]."""
+    rows = q.shape[0]
+    data = F.pad(q.packed, (0, -q.packed.shape[1] % 16)).contiguous().view(FLOAT4)
+    factors = q.block_inv_scale.view(torch.uint8)
+    if q.block[0] > 1:
+        factors = factors[:, None, :].expand(-1, q.block[0], -1).reshape(-1, factors.shape[1])
+    factors = swizzle_32_4_4(factors[:rows].view(E4M3))
+    return data, [factors, q.tensor_inv_scale.reshape(()).to(data.device, torch.float32)]
+
+
+def nvfp4_mm(
+    a: NVFP4, b: NVFP4, out_dtype: torch.dtype = torch.float32, *, emulate: bool = False
+) -> torch.Tensor:
+    """`emulated_mm`'s product. On CUDA SM100+ one cuBLAS FP4 GEMM (`F.scaled_mm`, scales
+    [BlockWise1x16, TensorWise] per operand); on CPU (which has no FP4 GEMM) and with
+    `emulate`, the emulated GEMM; on a CUDA device below SM100 a ValueError."""
+    _check_mm(a, b)
+    device = a.packed.device
+    if emulate or device.type != "cuda":
+        return emulated_mm(a, b, out_dtype)
+    check_nvfp4_gemm_device(device, emulate=False)
+    (data_a, scales_a), (data_b, scales_b) = _cuda_operand(a), _cuda_operand(b)
+    st, sw = F.ScalingType, F.SwizzleType
+    recipe, swizzle = [st.BlockWise1x16, st.TensorWise], [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
+    native = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    out = F.scaled_mm(
+        data_a, data_b.t(), scales_a, recipe, scales_b, recipe, swizzle, swizzle,
+        output_dtype=native,
+    )  # fmt: skip
+    return out.to(out_dtype)
 
 
 # ------------------------------------------------------------------------ Hadamard transform
@@ -348,20 +424,3 @@ def rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
 def inverse_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """The inverse of `rht`: times the transpose (the matrix is orthogonal)."""
     return _in_runs(x, matrix.t())
-
-
-# ------------------------------------------------------------------------ payload size
-
-
-def payload_bytes(shape: torch.Size | tuple[int, ...], block: Block) -> int:
-    """Bytes of one quantized tensor's all-gather payload: packed nibbles plus one e4m3 byte
-    per block (partial blocks count whole); the float32 tensor factor travels apart."""
-    *lead, rows, cols = shape
-    n_blocks = math.prod(scale_shape(tuple(shape), block))
-    return math.prod(lead) * rows * math.ceil(cols / 2) + n_blocks
-
-
-def bytes_per_element(block: Block) -> float:
-    """Payload bytes per element for shapes in whole blocks: 0.5 + 1 / (elements per block)
-    (16x16: 0.50390625; 1x16: 0.5625)."""
-    return 0.5 + 1 / (block[0] * block[1])

@@ -39,7 +39,7 @@ FIELDS: tuple[str, ...] = (
     "float8_layers",
     *(f.name for f in dataclasses.fields(Float8LinearConfig)),
     "weight_wrapper",
-    "layer_config",  # a config of another type (a format's own, e.g. NVFP4's): its repr
+    "layer_config",  # a config of another type (a format's own, with a linear_class): its repr
 )
 
 

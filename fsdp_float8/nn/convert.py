@@ -136,8 +136,8 @@ def convert_to_float8_training(
 
 
 def _layer_config(config: object) -> Float8LinearConfig:
-    """A format's own layer config (it names the layer class that implements it, e.g.
-    `NVFP4Config`) as it is; any other config as `as_float8_linear_config` reads it."""
+    """A format's own layer config (one that names the layer class implementing it, its
+    `linear_class`) as it is; any other config as `as_float8_linear_config` reads it."""
     if getattr(config, "linear_class", None) is not None:
         return config  # type: ignore[return-value]  # read through the same attributes
     return as_float8_linear_config(config)

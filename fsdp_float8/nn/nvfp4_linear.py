@@ -10,8 +10,11 @@ The recipe (NVIDIA's NVFP4 pretraining recipe):
   matrix along the token dim (their contraction dim, padded with zero tokens to a multiple
   of 16), then quantized in 1x16 blocks along it; grad_out stochastically rounded.
 Every amax is the tensor's own (dynamic), except the weight's under FSDP2, which is the
-whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs are emulated: each operand is
-dequantized to float32 and multiplied in float32 (no FP4 GEMM runs yet, on any device).
+whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4.nvfp4_mm`) are cuBLAS FP4
+GEMMs on CUDA SM100+ (Blackwell); on CPU, which has no FP4 GEMM, and with `emulate=True`
+they are emulated (each operand dequantized to float32, one float32 matmul). A CUDA device
+below SM100 is refused without `emulate=True`, when the layer is built on it or at its
+first forward there.
 
 Randomness is reproducible and needs no generator state: the Hadamard signs of a layer
 come from (seed, the layer's name); the rounding draws of a GEMM are a hash of (seed, the
@@ -53,12 +56,15 @@ class NVFP4Config:
     hadamard_grad_weight: the random Hadamard transform on grad_weight's operands.
     stochastic_rounding: stochastic rounding of grad_output (both of its GEMMs).
     seed: the seed of the Hadamard signs and the rounding draws.
+    emulate: emulated GEMMs (dequantize, float32 matmul) on CUDA too, e.g. on a device below
+      SM100; CPU always emulates (it has no FP4 GEMM).
     """
 
     enable_fsdp_float8_all_gather: bool = False
     hadamard_grad_weight: bool = True
     stochastic_rounding: bool = True
     seed: int = 0
+    emulate: bool = False
     # what conversion reads of any layer config
     pad_inner_dim: ClassVar[bool] = False
     linear_class: ClassVar[type]  # set below: NVFP4Linear
@@ -68,6 +74,7 @@ class NVFP4Config:
             "enable_fsdp_float8_all_gather",
             "hadamard_grad_weight",
             "stochastic_rounding",
+            "emulate",
         ):
             if type(getattr(self, name)) is not bool:
                 raise Float8ConfigError(
@@ -119,7 +126,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, layer: NVFP4Linear):
         x2 = x.reshape(-1, x.shape[-1])
         qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK)
-        out = nvfp4.emulated_mm(qx, _weight_record(weight), out_dtype=x.dtype)
+        emulate = layer.config.emulate
+        out = nvfp4.nvfp4_mm(qx, _weight_record(weight), x.dtype, emulate=emulate)
         ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.in_shape = layer, x.shape
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -134,7 +142,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         gen = _draws(grad_out, layer.layer_seed, 0) if sr else None
         qgo = nvfp4.quantize(grad_out, _amax(grad_out), nvfp4.ACTIVATION_BLOCK, generator=gen)
         qwt = nvfp4.transposed(_weight_record(weight))
-        grad_x = nvfp4.emulated_mm(qgo, qwt, out_dtype=x2.dtype)
+        grad_x = nvfp4.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
         go_t, x_t = _pad_tokens(grad_out.t()), _pad_tokens(x2.t())
         if cfg.hadamard_grad_weight:
             matrix = layer.hadamard(grad_out.device)
@@ -142,7 +150,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         gen = _draws(go_t, layer.layer_seed, 1) if sr else None
         qgo_t = nvfp4.quantize(go_t, _amax(go_t), nvfp4.ACTIVATION_BLOCK, generator=gen)
         qx_t = nvfp4.quantize(x_t, _amax(x_t), nvfp4.ACTIVATION_BLOCK)
-        grad_w = nvfp4.emulated_mm(qgo_t, qx_t, out_dtype=weight.dtype)
+        grad_w = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
         return grad_x.reshape(ctx.in_shape), grad_w, None
 
 
@@ -164,6 +172,8 @@ class NVFP4Linear(nn.Linear):
                 f"tiles), got ({self.in_features}, {self.out_features}); keep this layer in "
                 "high precision with module_filter_fn"
             )
+        if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
+            nvfp4.check_nvfp4_gemm_device(self.weight.device, emulate=self.config.emulate)
         self.fqn = ""  # named by conversion: seeds the layer's random draws
         self.register_load_state_dict_post_hook(_keep_weight_wrapped)
         self._register_state_dict_hook(_plain_weight_in_state_dict)
@@ -173,6 +183,8 @@ class NVFP4Linear(nn.Linear):
     def from_float(cls, mod: nn.Linear, config: NVFP4Config | None = None) -> NVFP4Linear:
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
+        emulate = config.emulate if isinstance(config, NVFP4Config) else False
+        nvfp4.check_nvfp4_gemm_device(mod.weight.device, emulate=emulate)
         with torch.device("meta"):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)
         new.weight = mod.weight  # shared, not copied
@@ -223,6 +235,8 @@ class NVFP4Linear(nn.Linear):
                 "NVFP4Linear does not support tensor parallelism (a DTensor weight "
                 f"{self.weight.placements}); use a float8 recipe for tensor-parallel layers"
             )
+        if x.is_cuda:  # a layer built elsewhere and moved: refused before any quantization
+            nvfp4.check_nvfp4_gemm_device(x.device, emulate=self.config.emulate)
         if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
             raise TypeError(f"NVFP4Linear input has dtype {x.dtype}; expected a floating tensor")
         if torch.is_autocast_enabled(x.device.type):
@@ -242,7 +256,8 @@ class NVFP4Linear(nn.Linear):
         c = self.config
         flags = f"hadamard_gw={c.hadamard_grad_weight}, sr_go={c.stochastic_rounding}"
         fsdp = ", fsdp_nvfp4_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
-        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}"
+        emulate = ", emulate=True" if c.emulate else ""
+        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}{emulate}"
 
 
 NVFP4Config.linear_class = NVFP4Linear

@@ -22,11 +22,14 @@ raises naming the op (nothing dequantizes silently).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
+from fsdp_float8.core.blocks import Block, scale_shape
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.weight_wrappers.base import _refuse_cpu_offload
 from fsdp_float8.weight_wrappers.block import check_block_shards
@@ -157,3 +160,17 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
             return None
         record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), metadata.clone(), TILE)
         return NVFP4Weight(record, param_dtype), (packed, tiles)
+
+
+def payload_bytes(shape: torch.Size | tuple[int, ...], block: Block) -> int:
+    """Bytes of one quantized tensor's all-gather payload: packed nibbles plus one e4m3 byte
+    per block (partial blocks count whole); the float32 tensor factor travels apart."""
+    *lead, rows, cols = shape
+    n_blocks = math.prod(scale_shape(tuple(shape), block))
+    return math.prod(lead) * rows * math.ceil(cols / 2) + n_blocks
+
+
+def bytes_per_element(block: Block) -> float:
+    """Payload bytes per element for shapes in whole blocks: 0.5 + 1 / (elements per block)
+    (16x16: 0.50390625; 1x16: 0.5625)."""
+    return 0.5 + 1 / (block[0] * block[1])

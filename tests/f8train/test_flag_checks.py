@@ -42,7 +42,6 @@ from f8train.train_args import parse_args
         (["--recipe", "off", "--emulate"], "--emulate has no effect with --recipe off"),
         (["--recipe", "off", "--token-dtype", "uint32"], "--token-dtype uint32 applies to a"),
         (["--steps", "5", "--stop-at-step", "5"], "--stop-at-step 5 is not before --steps 5"),
-        (["--recipe", "nvfp4", "--emulate"], "--emulate has no effect with --recipe nvfp4"),
         (["--recipe", "nvfp4", "--numerics-every", "5"], "--numerics-every has no effect with"),
         (["--data", __file__, "--cache-dir", "/tmp/x"], "but --data " + __file__ + " is one"),
     ],
@@ -160,6 +159,8 @@ def test_nvfp4_recipe_config(tmp_path: Path) -> None:
     assert describe(args).startswith("nvfp4/dynamic fp4-all-gather")
     no_ag = parse_args(["--recipe", "nvfp4", "--no-fp8-all-gather", *out])
     assert float8_config(no_ag) == NVFP4Config()
+    emulated = parse_args(["--recipe", "nvfp4", "--emulate", *out])  # e.g. below SM100
+    assert float8_config(emulated) == NVFP4Config(enable_fsdp_float8_all_gather=True, emulate=True)
     delayed = parse_args(["--recipe", "nvfp4", "--scaling", "delayed", *out])
     with pytest.raises(SystemExit, match="NVFP4 scales are dynamic"):
         float8_config(delayed)

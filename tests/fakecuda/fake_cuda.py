@@ -98,10 +98,15 @@ def _scaled_grouped_mm_rules(capability, args, kwargs) -> None:
 
 
 def _block_scaled_mm_rules(capability, args, kwargs) -> None:
-    """`torch.nn.functional.scaled_mm` (aten._scaled_mm_v2) with block scales."""
-    scales = list(args[2]) + list(args[4])
+    """`torch.nn.functional.scaled_mm` (aten._scaled_mm_v2(self, mat2, scale_a, recipe_a,
+    swizzle_a, scale_b, ...)) with block scales. MX and NVFP4 GEMMs need SM100+: torch's
+    test_scaled_matmul_cuda.py runs them only where PLATFORM_SUPPORTS_MX_GEMM ('MX gemm is
+    only supported on CUDA capability 10.0+'); ScaledBlas.cpp leaves that check to cuBLAS."""
+    scales = list(args[2]) + list(args[5])
     if any(s.dtype == torch.float8_e8m0fnu for s in scales) and capability < (10, 0):
         raise CudaRuleBroken("scaled_mm_v2.mx_arch", f"MXFP8 GEMMs need SM100+, got {capability}")
+    if args[0].dtype == torch.float4_e2m1fn_x2 and capability < (10, 0):
+        raise CudaRuleBroken("scaled_mm_v2.fp4_arch", f"FP4 GEMMs need SM100+, got {capability}")
 
 
 KERNEL_RULES: dict[str, Callable] = {

@@ -221,3 +221,23 @@ def test_the_import_graph_sees_function_level_imports():
     assert "fsdp_float8.core.blocks_cuda" in graph["fsdp_float8.core.blocks"]
     # and a circle made that way is found
     assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [{"a", "b"}]
+
+
+NVFP4_FILES = {
+    "__init__.py",
+    "core/nvfp4.py",
+    "nn/nvfp4_linear.py",
+    "weight_wrappers/nvfp4.py",
+}
+
+
+def test_nvfp4_lives_in_its_four_files():
+    # the 4-bit format (numerics and GEMMs, the layer, the FSDP2 weight, the export) is
+    # named nowhere else in the package: other modules reach it through a config's
+    # `linear_class` and the weight wrapper hooks
+    naming = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if "nvfp4" in p.read_text().lower()
+    }
+    assert naming == NVFP4_FILES, sorted(naming ^ NVFP4_FILES)

@@ -20,6 +20,7 @@ import torch
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.numerics import sqnr_db
+from fsdp_float8.weight_wrappers.nvfp4 import bytes_per_element, payload_bytes
 
 E4M3 = torch.float8_e4m3fn
 MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -339,16 +340,16 @@ def test_random_hadamard_is_orthogonal_seeded_and_keeps_gemms() -> None:
 
 
 def test_payload_bytes() -> None:
-    assert nvfp4.bytes_per_element(nvfp4.WEIGHT_BLOCK) == 0.5 + 1 / 256
-    assert nvfp4.bytes_per_element(nvfp4.ACTIVATION_BLOCK) == 0.5625
-    assert nvfp4.payload_bytes((256, 512), (16, 16)) == 256 * 512 * (0.5 + 1 / 256)
-    assert nvfp4.payload_bytes((256, 512), (1, 16)) == 256 * 512 * 0.5625
+    assert bytes_per_element(nvfp4.WEIGHT_BLOCK) == 0.5 + 1 / 256
+    assert bytes_per_element(nvfp4.ACTIVATION_BLOCK) == 0.5625
+    assert payload_bytes((256, 512), (16, 16)) == 256 * 512 * (0.5 + 1 / 256)
+    assert payload_bytes((256, 512), (1, 16)) == 256 * 512 * 0.5625
     # partial blocks count whole: 20x40 -> 2x3 tiles, 20x3 rows of blocks
-    assert nvfp4.payload_bytes((20, 40), (16, 16)) == 20 * 20 + 6
-    assert nvfp4.payload_bytes((2, 20, 40), (1, 16)) == 2 * (20 * 20 + 60)
+    assert payload_bytes((20, 40), (16, 16)) == 20 * 20 + 6
+    assert payload_bytes((2, 20, 40), (1, 16)) == 2 * (20 * 20 + 60)
     # and it is what a quantized tensor holds
     q = nvfp4.quantize(torch.randn(20, 40), torch.tensor(4.0), (16, 16))
-    assert q.packed.numel() + q.block_inv_scale.numel() == nvfp4.payload_bytes((20, 40), (16, 16))
+    assert q.packed.numel() + q.block_inv_scale.numel() == payload_bytes((20, 40), (16, 16))
 
 
 def test_hashed_uniform_draws() -> None:

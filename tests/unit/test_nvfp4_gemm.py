@@ -1,0 +1,96 @@
+"""The NVFP4 GEMM's dispatch and its CUDA operands, on CPU: what `nvfp4_mm` hands
+`F.scaled_mm` (padded codes, swizzled 1x16 factors, the tensor factor) holds exactly the
+quantized tensor; CPU always emulates; a CUDA device below SM100 is refused with the remedy
+unless `emulate=True`. (The fake-CUDA lane checks the call against torch's meta kernel.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_float8 import NVFP4Config
+from fsdp_float8.core import nvfp4
+from fsdp_float8.core.config_fields import Float8ConfigError
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return t.abs().amax()
+
+
+def _unswizzle(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(rows, cols) factors back from cuBLAS's blocked layout: entry (i, j) sits in 128x4
+    tile (i // 128, j // 4), at row (i % 32) and column 4 * ((i % 128) // 32) + j % 4 of its
+    32x16 image."""
+    raw, tiles_per_row = flat.view(torch.uint8), -(-cols // 4)
+    out = torch.empty(rows, cols, dtype=torch.uint8)
+    for i in range(rows):
+        for j in range(cols):
+            tile = (i // 128) * tiles_per_row + j // 4
+            out[i, j] = raw[tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4]
+    return out.view(nvfp4.E4M3)
+
+
+@pytest.mark.parametrize(
+    "rows,k,block",
+    [(7, 48, nvfp4.ACTIVATION_BLOCK), (130, 64, nvfp4.ACTIVATION_BLOCK), (80, 48, (16, 16))],
+    ids=["7x48_1x16", "130x64_1x16", "80x48_16x16"],
+)
+def test_cuda_operand_holds_the_quantized_tensor(rows, k, block):
+    torch.manual_seed(0)
+    x = torch.randn(rows, k) * torch.logspace(-3, 3, k)  # blocks of very different amaxes
+    q = nvfp4.quantize(x, _amax(x), block)
+    data, (factors, tensor_factor) = nvfp4._cuda_operand(q)
+    k_pad = -(-k // 32) * 32  # rows of whole 16-byte words
+    assert data.dtype == torch.float4_e2m1fn_x2 and data.shape == (rows, k_pad // 2)
+    assert data.is_contiguous() and factors.is_contiguous() and factors.dtype == nvfp4.E4M3
+    assert factors.numel() == (-(-rows // 128) * 128) * (-(-k // 64) * 4)  # the meta's count
+    codes = nvfp4.unpack_e2m1(data.view(torch.uint8))
+    assert torch.equal(codes[:, k:], torch.zeros(rows, k_pad - k, dtype=torch.uint8))
+    per_block = _unswizzle(factors, rows, k // 16).float()
+    values = nvfp4.e2m1_values(codes[:, :k])
+    rebuilt = (values * per_block.repeat_interleave(16, dim=1)) * tensor_factor
+    assert tensor_factor.dtype == torch.float32 and tensor_factor.numel() == 1
+    assert torch.equal(rebuilt, nvfp4.dequantize(q))  # bit for bit, as cuBLAS would read it
+
+
+def test_transposed_weight_operand_repeats_each_tile_over_its_rows():
+    w = torch.randn(32, 48)
+    qt = nvfp4.transposed(nvfp4.quantize(w, _amax(w), nvfp4.WEIGHT_BLOCK))  # (48, 32)
+    _, (factors, _) = nvfp4._cuda_operand(qt)
+    want = qt.block_inv_scale.float().repeat_interleave(16, dim=0)
+    assert torch.equal(_unswizzle(factors, 48, 2).float(), want)
+
+
+def test_cpu_always_emulates():
+    a, b = torch.randn(5, 32), torch.randn(16, 32)
+    qa, qb = nvfp4.quantize(a, _amax(a)), nvfp4.quantize(b, _amax(b), nvfp4.WEIGHT_BLOCK)
+    want = nvfp4.emulated_mm(qa, qb, torch.bfloat16)
+    for emulate in (False, True):
+        assert torch.equal(nvfp4.nvfp4_mm(qa, qb, torch.bfloat16, emulate=emulate), want)
+    nvfp4.check_nvfp4_gemm_device(torch.device("cpu"), emulate=False)  # nothing to refuse
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])
+def test_cuda_below_sm100_is_refused_with_the_remedy(capability, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda", 0)
+    nvfp4.check_nvfp4_gemm_device(cuda, emulate=True)  # emulated GEMMs run anywhere
+    if capability >= (10, 0):
+        assert nvfp4.nvfp4_gemm_problem(cuda) is None
+        nvfp4.check_nvfp4_gemm_device(cuda, emulate=False)
+        return
+    sm = f"SM{capability[0]}{capability[1]}"
+    with pytest.raises(ValueError, match=rf"SM100.*{sm}.*NVFP4Config\(emulate=True\)"):
+        nvfp4.check_nvfp4_gemm_device(cuda, emulate=False)
+
+
+def test_nvfp4_mm_refuses_operands_of_different_k():
+    a, b = torch.randn(4, 32), torch.randn(16, 48)
+    with pytest.raises(ValueError, match="same K"):
+        nvfp4.nvfp4_mm(nvfp4.quantize(a, _amax(a)), nvfp4.quantize(b, _amax(b)))
+
+
+def test_emulate_must_be_a_bool():
+    with pytest.raises(Float8ConfigError, match="emulate must be a bool"):
+        NVFP4Config(emulate=1)  # type: ignore[arg-type]
+    assert NVFP4Config(emulate=True).emulate is True
