@@ -23,6 +23,7 @@ raises naming the op (nothing dequantizes silently).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -147,19 +148,41 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         amax = self.global_amax(shard_group(sharded, None, mesh))
         q = nvfp4.quantize(self._tensor, amax, TILE)
         tiles = q.block_inv_scale.view(torch.uint8)
-        return (q.packed, tiles), q.tensor_inv_scale
+        if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
+            return (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
+        return (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if isinstance(out, DTensor):
             raise ValueError("NVFP4 weights do not support tensor parallelism; use a float8 recipe")
-        packed, tiles = all_gather_outputs
-        if out is not None:  # FSDP2 refilled the codes and tiles in place; the tensor factor
-            if not isinstance(out, NVFP4Weight) or out.packed.data_ptr() != packed.data_ptr():
+        packed = all_gather_outputs[0]
+        local = metadata.local_tiles
+        tiles = all_gather_outputs[1] if local is None else local
+        if out is not None:  # FSDP2 refilled the gathered codes (and tiles) in place
+            if not isinstance(out, NVFP4Weight) or not _same_storage(out.packed, packed):
                 raise TypeError(f"expected the unsharded NVFP4Weight over {packed.shape}")
-            out.tensor_inv.copy_(metadata)
+            out.tensor_inv.copy_(metadata.tensor_inv)
+            if local is not None:
+                out.tiles.view(torch.uint8).copy_(local)
             return None
-        record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), metadata.clone(), TILE)
-        return NVFP4Weight(record, param_dtype), (packed, tiles)
+        if local is not None:  # the metadata's tiles are this shard's, remade each gather
+            tiles = local.clone()
+        record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), metadata.tensor_inv.clone(), TILE)
+        return NVFP4Weight(record, param_dtype), (packed,) if local is not None else (packed, tiles)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` views the storage of `b` (FSDP2's refill keeps the gathered buffers)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+@dataclass(frozen=True, eq=False)
+class NVFP4Gather:
+    """The all-gather metadata: the tensor factor (the same on every rank), and at shard
+    size 1 the tile factors (FSDP2 then passes the post-hook only the codes)."""
+
+    tensor_inv: torch.Tensor
+    local_tiles: torch.Tensor | None = None
 
 
 def payload_bytes(shape: torch.Size | tuple[int, ...], block: Block) -> int:

@@ -11,6 +11,8 @@
 - A DCP checkpoint (plain high-precision weights) saved after 2 steps and loaded into a
   fresh sharded model continues with the same losses; a weight whose shards are not whole
   16-row tiles is refused at its first all-gather, naming the weight.
+- HSDP with shard size 1 (mesh (replicate 2, shard 1): no all-gather, the weights
+  quantized whole on each rank, gradients all-reduced over the replicas): the same losses.
 - `reshard_after_forward=False`, activation checkpointing, and the float8 step turned off
   (each weight then MAX-reduces its own amax at each all-gather): the same losses.
 """
@@ -123,6 +125,7 @@ def _grid(rank: int, world: int, ckpt: str) -> dict:
     return {
         "resumed": _resumed(mesh, rank, ckpt),
         "uneven": _uneven(mesh),
+        "hsdp_shard_1": _fsdp(cpu_mesh((world, 1), ("replicate", "shard")), rank)["losses"],
         "reference": _reference(rank, world),
         "fsdp": _fsdp(mesh, rank),
         "no_reshard": _fsdp(mesh, rank, reshard=False)["losses"],
@@ -138,6 +141,7 @@ def test_nvfp4_all_gather_trains_as_the_replicated_reference(tmp_path):
         assert out["no_reshard"] == out["reference"], out
         assert out["checkpoint"] == out["reference"], out
         assert out["resumed"] == out["reference"][2:], out
+        assert out["hsdp_shard_1"] == out["reference"], out
         assert "(48, 64) weight of" in out["uneven"] and "whole 16-row blocks" in out["uneven"]
         # per step: each weight gathered for forward and again for backward, this rank's
         # half of each (weights of 2, 2 and 1 DIM x DIM)
