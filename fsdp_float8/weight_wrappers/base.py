@@ -31,7 +31,6 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
-from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.weight_wrappers.cast import WeightCast
@@ -220,11 +219,27 @@ class Float8WeightWrapper(torch.Tensor):
         """Whether the float8 step has a scale to compute for this weight (host state)."""
         return False
 
+    # the one hook pair: a subclass says how its shard is packed (`pack_shard`); the metadata
+    # record it returns says how the gathered outputs become the unsharded weight
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
         if self.needs_refresh():  # the float8 step refreshes the whole model at once
             for hook in BEFORE_ALL_GATHER:
                 hook(module)
+        return self.pack_shard(mesh, outer_size, module)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
+            out = out._local_tensor
+        outputs = tuple(all_gather_outputs)
+        if out is None:
+            return metadata.build(outputs, param_dtype)
+        metadata.refill(out, outputs)  # FSDP2 refilled the gathered buffers in place
+        return None
+
+    def pack_shard(self, mesh, outer_size, module):
+        """(all-gather inputs, metadata) of this shard: tensorwise or rowwise float8 here;
+        other formats (block scales, 4-bit) pack their own."""
         # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
         # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
         sharded = getattr(module, self.param_name, None)
@@ -251,45 +266,6 @@ class Float8WeightWrapper(torch.Tensor):
             padding = [0, 0] * (data.dim() - 1) + [0, padded_rows - data.shape[0]]
             data = F.pad(data, padding)
         return (data,), TensorwiseGather(scale, self.float8_dtype, emulate)
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
-            out = out._local_tensor
-        if isinstance(metadata, RowwiseGather):
-            return _rowwise_post_all_gather(all_gather_outputs, metadata, param_dtype, out)
-        gathered = all_gather_outputs[0]
-        data, scale = metadata.unpack(gathered)
-        if scale.is_cuda:
-            # made on FSDP2's all-gather copy-in stream, read here on the current stream:
-            # without this the caching allocator may hand its memory to the next block's
-            # prefetch (on the copy-in stream) before the read below has run
-            scale.record_stream(torch.cuda.current_stream(scale.device))
-        if out is not None:
-            if not isinstance(out, Float8Tensor):
-                raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-            # the data aliases the all-gather output FSDP2 refilled; the scale is copied
-            # into the unsharded weight's own: `scale` is shared (the wrapper's stamped
-            # scale; static scaling: one cached tensor for every layer)
-            out._scale.copy_(scale)
-            return
-        return Float8Tensor(data, scale.clone(), param_dtype, metadata.emulate), (data,)
-
-
-def _rowwise_post_all_gather(outputs, metadata: RowwiseGather, param_dtype, out):
-    """The data and the scales are views of the all-gather outputs, which FSDP2 frees and
-    refills in place around each use; at shard size 1 the scales come in the metadata and
-    are copied into the unsharded weight's own on a refill."""
-    data, scale = metadata.unpack(tuple(outputs))
-    if metadata.local_scales is not None and scale.is_cuda:  # made on the copy-in stream
-        scale.record_stream(torch.cuda.current_stream(scale.device))
-    if out is None:
-        inner = tuple(outputs) if metadata.local_scales is None else (outputs[0], scale)
-        return Float8Tensor(data, scale, param_dtype, metadata.emulate), inner
-    if not isinstance(out, Float8Tensor):
-        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-    if metadata.local_scales is not None:
-        out._scale.copy_(scale)
-    return None
 
 
 def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, _refuse_cpu_offload
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 from fsdp_float8.weight_wrappers.gather import BlockGather
 
 
@@ -40,8 +39,7 @@ class BlockFloat8Weight(Float8WeightWrapper):
     def float8_scale(self, mesh) -> torch.Tensor:
         return self.strategy.scale(self._tensor, -1, self.float8_dtype)  # the shard's own blocks
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        _refuse_cpu_offload(self, module)
+    def pack_shard(self, mesh, outer_size, module):
         dims = getattr(module, "in_features", None), getattr(module, "out_features", None)
         shape = f"({dims[0]}, {dims[1]})" if None not in dims else ""
         owner = f"the {tuple(outer_size)} weight of {type(module).__name__}{shape}"
@@ -51,18 +49,6 @@ class BlockFloat8Weight(Float8WeightWrapper):
         scale_dtype, emulate = self.granularity.scale_dtype, self._cast.emulate
         payload, meta = BlockGather.pack(data, scale, scale_dtype, emulate, self.block)
         return (payload,), meta
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        gathered = all_gather_outputs[0]
-        data, scale = metadata.unpack(gathered)
-        if out is None:
-            # FSDP2 frees and re-allocates these around each use: the gathered buffer (the
-            # data is a strided view of it) and the scales, always a copy
-            weight = Float8Tensor(data, scale, param_dtype, metadata.emulate, metadata.block)
-            return weight, (gathered, scale)
-        if not isinstance(out, Float8Tensor):
-            raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-        out._scale.copy_(scale)  # the data aliases the all-gather output FSDP2 refilled
 
 
 def check_block_shards(rows: int, shards: int, block_rows: int, *, owner: str = "") -> None:

@@ -1,9 +1,12 @@
 """What a float8 weight all-gather sends, per scale format: one frozen metadata class each.
 
-Mental model. The pre-all-gather hook casts the local shard and returns ONE all-gather input
-plus metadata; the post-all-gather hook turns the gathered output back into float8 data and
-scales with that metadata (`unpack`). FSDP2 passes the metadata through untouched, so it is a
-typed, named record instead of a positional tuple:
+Mental model. The pre-all-gather hook casts the local shard and returns its all-gather
+input(s) plus metadata; the post-all-gather hook hands the gathered outputs to that
+metadata: `build` makes the unsharded weight (a `Float8Tensor` viewing the gathered bytes)
+and the inner tensors FSDP2 frees and refills; `refill` updates an unsharded weight after
+FSDP2 refilled those buffers in place (the data already views them; scales that travel as
+metadata are copied in). FSDP2 passes the metadata through untouched, so it is a typed,
+named record instead of a positional tuple:
 
 - `TensorwiseGather`: the float8 bytes only; the one scale (the same on every rank) travels
   as metadata, because under uneven sharding FSDP2 demands every input at exactly the padded
@@ -21,7 +24,22 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.payload import PayloadLayout
+
+
+def _unsharded(out) -> Float8Tensor:
+    if not isinstance(out, Float8Tensor):
+        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+    return out
+
+
+def _read_here(scale: torch.Tensor) -> None:
+    """A scale made on FSDP2's all-gather copy-in stream, read on the current stream:
+    without this the caching allocator may hand its memory to the next block's prefetch
+    (on the copy-in stream) before the read has run."""
+    if scale.is_cuda:
+        scale.record_stream(torch.cuda.current_stream(scale.device))
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,6 +50,17 @@ class TensorwiseGather:
 
     def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gathered.view(self.float8_dtype), self.scale
+
+    def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
+        data, scale = self.unpack(outputs[0])
+        _read_here(scale)
+        # a scale of its own: `self.scale` is shared (the wrapper's stamped scale; static
+        # scaling: one cached tensor for every layer)
+        return Float8Tensor(data, scale.clone(), param_dtype, self.emulate), (data,)
+
+    def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
+        _read_here(self.scale)
+        _unsharded(out)._scale.copy_(self.scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +100,22 @@ class RowwiseGather:
             data, scale = data.view(-1, *self.mid, data.shape[-1]), scale.view(-1, *self.mid, 1)
         return data, scale
 
+    def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
+        """Data and scales view the all-gather outputs, which FSDP2 frees and refills in
+        place around each use; at shard size 1 the scales come in the metadata."""
+        data, scale = self.unpack(outputs)
+        if self.local_scales is None:
+            return Float8Tensor(data, scale, param_dtype, self.emulate), outputs
+        _read_here(scale)
+        return Float8Tensor(data, scale, param_dtype, self.emulate), (outputs[0], scale)
+
+    def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
+        out = _unsharded(out)
+        if self.local_scales is not None:  # else the scales view the refilled outputs
+            _, scale = self.unpack(outputs)
+            _read_here(scale)
+            out._scale.copy_(scale)
+
 
 @dataclass(frozen=True)
 class BlockGather:
@@ -104,3 +149,15 @@ class BlockGather:
         sr, sc = self.shard_scale_shape
         scale = self.layout.scales(gathered, shards, math.prod(self.shard_scale_shape))
         return self.layout.data(gathered), scale.reshape(shards * sr, sc)
+
+    def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
+        # FSDP2 frees and re-allocates these around each use: the gathered buffer (the data
+        # is a strided view of it) and the scales, always a copy
+        gathered = outputs[0]
+        data, scale = self.unpack(gathered)
+        weight = Float8Tensor(data, scale, param_dtype, self.emulate, self.block)
+        return weight, (gathered, scale)
+
+    def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
+        _, scale = self.unpack(outputs[0])  # the data aliases the refilled all-gather output
+        _unsharded(out)._scale.copy_(scale)

@@ -26,13 +26,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
 from fsdp_float8.core.blocks import Block, scale_shape
 from fsdp_float8.core.scaling import tensor_amax
-from fsdp_float8.weight_wrappers.base import _refuse_cpu_offload
 from fsdp_float8.weight_wrappers.block import check_block_shards
 from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
@@ -135,13 +133,7 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
     def float8_scale(self, mesh) -> torch.Tensor:
         return self.global_amax(mesh)
 
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        _refuse_cpu_offload(self, module)
-        if self.needs_refresh():
-            from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER
-
-            for hook in BEFORE_ALL_GATHER:
-                hook(module)
+    def pack_shard(self, mesh, outer_size, module):
         owner = f"the {tuple(outer_size)} weight of {type(module).__name__} (NVFP4 16x16 tiles)"
         check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
         sharded = getattr(module, self.param_name, None)
@@ -151,24 +143,6 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
             return (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
         return (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
-
-    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        if isinstance(out, DTensor):
-            raise ValueError("NVFP4 weights do not support tensor parallelism; use a float8 recipe")
-        packed = all_gather_outputs[0]
-        local = metadata.local_tiles
-        tiles = all_gather_outputs[1] if local is None else local
-        if out is not None:  # FSDP2 refilled the gathered codes (and tiles) in place
-            if not isinstance(out, NVFP4Weight) or not _same_storage(out.packed, packed):
-                raise TypeError(f"expected the unsharded NVFP4Weight over {packed.shape}")
-            out.tensor_inv.copy_(metadata.tensor_inv)
-            if local is not None:
-                out.tiles.view(torch.uint8).copy_(local)
-            return None
-        if local is not None:  # the metadata's tiles are this shard's, remade each gather
-            tiles = local.clone()
-        record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), metadata.tensor_inv.clone(), TILE)
-        return NVFP4Weight(record, param_dtype), (packed,) if local is not None else (packed, tiles)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -183,6 +157,22 @@ class NVFP4Gather:
 
     tensor_inv: torch.Tensor
     local_tiles: torch.Tensor | None = None
+
+    def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
+        packed, local = outputs[0], self.local_tiles
+        # the metadata's tiles are this shard's, remade at each gather: a copy of its own
+        tiles = outputs[1] if local is None else local.clone()
+        record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), self.tensor_inv.clone(), TILE)
+        inner = (packed,) if local is not None else (packed, tiles)
+        return NVFP4Weight(record, param_dtype), inner
+
+    def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
+        packed = outputs[0]
+        if not isinstance(out, NVFP4Weight) or not _same_storage(out.packed, packed):
+            raise TypeError(f"expected the unsharded NVFP4Weight over {tuple(packed.shape)}")
+        out.tensor_inv.copy_(self.tensor_inv)
+        if self.local_tiles is not None:
+            out.tiles.view(torch.uint8).copy_(self.local_tiles)
 
 
 def payload_bytes(shape: torch.Size | tuple[int, ...], block: Block) -> int:

@@ -157,6 +157,15 @@ def test_block_recipes_val_loss_within_1_percent_of_bf16(tmp_path: Path) -> None
         assert math.isfinite(v[name]) and abs(v[name] - v["bf16"]) / v["bf16"] < 0.01, v
 
 
+@pytest.mark.timeout(1800)
+def test_nvfp4_val_loss_within_3_percent_of_bf16(tmp_path: Path) -> None:
+    """make train's settings with --recipe nvfp4 (FP4 all-gather, Hadamard transform and
+    stochastic rounding on, emulated GEMMs) against the bf16 baseline."""
+    v = _val_losses(tmp_path, {"bf16": ("--recipe", "off"), "nvfp4": ("--recipe", "nvfp4")})
+    print(f"val loss after 100 steps: bf16 {v['bf16']:.4f}, nvfp4 {v['nvfp4']:.4f}")
+    assert math.isfinite(v["nvfp4"]) and abs(v["nvfp4"] - v["bf16"]) / v["bf16"] < 0.03, v
+
+
 def test_float8_reduce_scatter_val_loss_within_1_percent(tmp_path: Path) -> None:
     """The default run with float8 gradient reduce-scatter against the same run with the
     standard (fp32) reduce-scatter; also writes per-layer numerics telemetry."""
