@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.nn.linear import _plain_weight_in_state_dict
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight
 from fsdp_float8.weight_wrappers.wrap import note_replaced
@@ -265,15 +266,6 @@ NVFP4Config.linear_class = NVFP4Linear
 
 def _keep_weight_wrapped(module: NVFP4Linear, incompatible_keys) -> None:
     module.wrap_weight_for_fsdp()  # load_state_dict(assign=True) swaps in a plain tensor
-
-
-def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    from fsdp_float8.weight_wrappers.base import state_dict_weight
-
-    key = prefix + "weight"
-    if key in state_dict:
-        weight = module.weight
-        state_dict[key] = state_dict_weight(weight, detach=state_dict[key] is not weight)
 
 
 def high_precision_ends(model: nn.Module, first: int = 1, last: int = 1, *, blocks: str = "layers"):
