@@ -44,7 +44,7 @@ the layout of `torch.float4_e2m1fn_x2` (`as_float4` views the bytes as that dtyp
 for bit, so one quantized weight serves the forward (contracting W's columns) and the
 grad_input GEMM (contracting its rows).
 
-Random Hadamard transform (RHT): R = D @ H / 4, D a seeded random +-1 diagonal and H the
+Random Hadamard transform (RHT, `core/randomized.py`): R = D @ H / 4, D a seeded random +-1 diagonal and H the
 16x16 Sylvester Hadamard matrix, applied to each run of 16 elements along the last dim.
 R is orthogonal, so (a R)(b R)^T = a b^T: applied along the contraction dim of both
 operands of a GEMM (grad_weight's token dim) it leaves the product unchanged while spreading
@@ -65,7 +65,6 @@ element for 16x16 tiles and 0.5 + 1/16 for 1x16, plus one float32 per tensor
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +72,13 @@ import torch.nn.functional as F
 
 from fsdp_float8.core.blocks import Block, expand_block_scale
 from fsdp_float8.core.blocks_cuda import swizzle_32_4_4
+from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
+    RHT_SIZE,
+    hashed_uniform,
+    inverse_rht,
+    random_hadamard,
+    rht,
+)
 from fsdp_float8.core.scaling import block_amax
 
 E2M1_MAX = 6.0
@@ -85,7 +91,6 @@ BLOCKS = (ACTIVATION_BLOCK, WEIGHT_BLOCK)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 is the sign
 BLOCK_INV_SCALE_MIN = 2.0**-9  # e4m3's smallest subnormal
 TENSOR_AMAX_FLOOR = E2M1_MAX * E4M3_MAX * 2.0**-117  # tensor_inv_scale >= 2^-117
-RHT_SIZE = 16
 
 # the midpoints between neighbouring magnitudes; crossing midpoint i moves code i to i + 1
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
@@ -124,28 +129,6 @@ def _draws(mag: torch.Tensor, random: torch.Generator | torch.Tensor) -> torch.T
             f"{random.device}; pass torch.Generator(device={str(mag.device)!r})"
         )
     return torch.rand(mag.shape, generator=random, device=mag.device)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 holding 32-bit values;
-    every product stays below 2^59, so nothing overflows."""
-    for _ in range(2):
-        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    return (x >> 16) ^ x
-
-
-def hashed_uniform(shape, salt: torch.Tensor) -> torch.Tensor:
-    """Counter-based draws: multiples of 2^-24 in [0, 1), one per element of `shape`, a hash
-    of (the element's index, `salt`: a 0-d int64 tensor). The same salt gives the same
-    draws on every device and under torch.compile (plain tensor ops, no generator state)."""
-    n = math.prod(shape)
-    index = torch.arange(n, dtype=torch.int64, device=salt.device)
-    key = _mix32(salt.reshape(()).to(torch.int64) & _MASK32)
-    bits = _mix32(_mix32(index ^ key) ^ (key * 0x9E37 & _MASK32))
-    return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
 
 
 def _stochastic_magnitude_codes(
@@ -388,39 +371,3 @@ def nvfp4_mm(
         output_dtype=native,
     )  # fmt: skip
     return out.to(out_dtype)
-
-
-# ------------------------------------------------------------------------ Hadamard transform
-
-
-def random_hadamard(generator: torch.Generator) -> torch.Tensor:
-    """R = D @ H / 4 (16x16 float32, orthogonal): D the diagonal of 16 random signs drawn
-    from `generator`, H the Sylvester Hadamard matrix."""
-    h = torch.ones(1, 1, device="cpu")  # on the CPU whatever the default device
-    step = torch.tensor([[1.0, 1.0], [1.0, -1.0]], device="cpu")
-    while h.shape[0] < RHT_SIZE:
-        h = torch.kron(step, h)
-    bits = torch.randint(0, 2, (RHT_SIZE,), generator=generator, device=generator.device)
-    signs = (1 - 2 * bits).to(torch.float32).cpu()
-    return signs[:, None] * h / math.sqrt(RHT_SIZE)
-
-
-def _in_runs(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    if matrix.shape != (RHT_SIZE, RHT_SIZE) or x.shape[-1] % RHT_SIZE:
-        raise ValueError(
-            f"the Hadamard transform takes a {RHT_SIZE}x{RHT_SIZE} matrix and a last dim "
-            f"divisible by {RHT_SIZE}, got {tuple(matrix.shape)} and {tuple(x.shape)}; "
-            "pad the contraction dim to a multiple of 16"
-        )
-    runs = x.reshape(*x.shape[:-1], x.shape[-1] // RHT_SIZE, RHT_SIZE)
-    return (runs @ matrix.to(runs.device, runs.dtype)).reshape(x.shape)
-
-
-def rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Each run of 16 elements along the last dim times `matrix` (`random_hadamard`)."""
-    return _in_runs(x, matrix)
-
-
-def inverse_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """The inverse of `rht`: times the transpose (the matrix is orthogonal)."""
-    return _in_runs(x, matrix.t())

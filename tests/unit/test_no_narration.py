@@ -1,5 +1,5 @@
-"""Code, docs and tests describe the project, not how it was made: no issue numbers, no work
-sessions or rounds, no account of which machines the work had. What has run on a GPU is one
+"""Code, docs and tests describe the project, not how it was made: no issue numbers, no
+account of the work's rounds or of which machines it had. What has run on a GPU is one
 status line in README.md, which this check leaves out."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_no_text_narrates_how_the_project_was_made():
 
 
 def test_the_pattern_finds_what_it_is_for():
-    for text in ("(issue 11 item 6)", "not yet run (no GPU was lent)", "this session alike"):
+    for text in ("(issue 11 item 6)", "not yet run (no GPU was lent)", "this round alike"):
         assert NARRATION.search(text), text
     for text in ("the collective it issues", "round to nearest", "a helper function"):
         assert not NARRATION.search(text), text
