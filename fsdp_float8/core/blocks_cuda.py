@@ -56,10 +56,9 @@ def cuda_block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, fa
     a = a.contiguous()
     b = b.t().contiguous().t()  # column-major
     if scale_dtype == E8M0:
-        if b_block == (32, 32):  # each weight row of a 32x32 block is a 1x32 tile
-            b_scale = b_scale.repeat_interleave(32, dim=1)[:, :n]
         sa = swizzle_32_4_4(e8m0_from_scale(a_scale))
-        sb = swizzle_32_4_4(e8m0_from_scale(b_scale.t()))
+        # a gathered weight's scale comes swizzled, built once per unshard (e8m0 already)
+        sb = b_scale if b_scale.dtype == E8M0 else swizzled_right_scale(b_scale, b_block, n)
         recipe, swizzle = st.BlockWise1x32, F.SwizzleType.SWIZZLE_32_4_4
         return F.scaled_mm(a, b, sa, recipe, sb, recipe, swizzle, swizzle, output_dtype=out_dtype)
     inv_a, inv_b = a_scale.reciprocal(), b_scale.reciprocal()
@@ -72,6 +71,15 @@ def cuda_block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, fa
     else:
         rb, sb = st.BlockWise128x128, _k_padded_t(inv_b.t())  # (L4, N/128), stride (1, L4)
     return F.scaled_mm(a, b, sa, ra, sb, rb, output_dtype=out_dtype, use_fast_accum=fast)
+
+
+def swizzled_right_scale(scale: torch.Tensor, block, n: int) -> torch.Tensor:
+    """The MX GEMM's right-operand scale from the float32 block scales of b (K, N): e8m0,
+    one per 1x32 tile along K of each of b's N columns (a 32x32 weight block is repeated
+    to its 32 columns), swizzled (`swizzle_32_4_4`)."""
+    if block == (32, 32):  # each weight row of a 32x32 block is a 1x32 tile
+        scale = scale.repeat_interleave(32, dim=1)[:, :n]
+    return swizzle_32_4_4(e8m0_from_scale(scale.t()))
 
 
 def _k_padded_t(scale: torch.Tensor) -> torch.Tensor:

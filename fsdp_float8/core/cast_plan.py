@@ -23,6 +23,7 @@ import torch
 from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import GEMM_OPERANDS, GEMMS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
+from fsdp_float8.core.payload import E8M0
 from fsdp_float8.core.scaling import (
     Axiswise,
     DynamicScaling,
@@ -127,20 +128,114 @@ Cast = Callable[[torch.Tensor, Operand, Gemm, CastPlan, Any], Pair]
 def weight_for(weight: torch.Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, context) -> Pair:
     """The weight as the pair of `gemm`: a Float8Tensor from the FSDP2 float8 all-gather as
     it is (tensorwise or square blocks serve both weight GEMMs), else cast from hp; per-row
-    scales suit the output GEMM only, so grad_input re-casts the row-cast weight."""
+    scales suit the output GEMM only, so grad_input re-casts the row-cast weight. A gathered
+    weight's operands that are not its data as it is are built once per unshard
+    (`Float8Tensor._operands`)."""
     if isinstance(weight, Float8Tensor):  # pre-cast by the FSDP2 float8 all-gather
-        rows: Pair = (weight._data, weight._scale)
-    elif gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
+        kind = _gathered_kind(weight, gemm, plan)
+        if kind == "as_is":
+            return weight._data, weight._scale
+        # under torch.compile the graph builds the operand (the record is not traced)
+        cache = None if torch.compiler.is_compiling() else weight._operands
+        if cache is None or kind == "cast":
+            return gathered_operand(weight, gemm, kind, plan, cast, context, None)[0]
+        return cache.operand(
+            gemm, lambda out: gathered_operand(weight, gemm, kind, plan, cast, context, out)
+        )
+    if gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
         rows = cast(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, context)
-    else:
-        return cast(weight, Operand.WEIGHT, gemm, plan, context)
+        return _grad_input_from_rows(rows, plan, cast, context)
+    return cast(weight, Operand.WEIGHT, gemm, plan, context)
+
+
+def _gathered_kind(weight: Float8Tensor, gemm: Gemm, plan: CastPlan) -> str:
+    """How a gathered weight becomes `gemm`'s operand: 'as_is' (its data and scale), 'rows'
+    (the same float8 data, column-major for grad_input: tensorwise or square blocks; MX
+    scales swizzled on CUDA), 'columns' (a row-cast 2-D weight re-cast along N) or 'cast'
+    (any other grad_input cast: from the dequantized weight)."""
+    if gemm is Gemm.OUTPUT:
+        return "rows" if _mx_on_cuda(weight, plan) else "as_is"
+    if weight._scale.dim() == 0 or plan.shared(Operand.WEIGHT):
+        # the block emulation takes any layout; a 3-D expert weight, its grouped GEMM's
+        blocks_emulated = weight._block is not None and (plan.emulate or not weight.is_cuda)
+        return "as_is" if blocks_emulated or weight._data.dim() != 2 else "rows"
+    if weight._data.dim() != 2:
+        return "cast"
+    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    if isinstance(strategy, DynamicScaling) and isinstance(
+        strategy.granularity, (Tensorwise, Axiswise)
+    ):
+        return "columns"
+    return "cast"
+
+
+def _mx_on_cuda(weight: Float8Tensor, plan: CastPlan) -> bool:
+    """An MX weight for the CUDA GEMM, which takes its e8m0 scales swizzled."""
+    return (
+        weight._block is not None
+        and weight.is_cuda
+        and not plan.emulate
+        and plan.scale_dtypes[Gemm.OUTPUT] == E8M0
+    )
+
+
+def gathered_operand(
+    weight: Float8Tensor,
+    gemm: Gemm,
+    kind: str,
+    plan: CastPlan,
+    cast: Cast,
+    context,
+    out: Pair | None,
+) -> tuple[Pair, tuple[torch.Tensor, ...]]:
+    """A gathered weight's operand of `gemm` in the layout its GEMM takes, written into
+    `out`'s buffers when given (the operand of the previous unshard): (operand, buffers
+    newly allocated). The values do not depend on `out`."""
+    data, scale = weight._data, weight._scale
+    if kind == "rows":
+        new: tuple[torch.Tensor, ...] = ()
+        if gemm is Gemm.GRAD_INPUT:  # the weight is the right operand: column-major
+            columns = out[0].t() if out is not None else _empty_t(data)
+            columns.copy_(data.t())
+            data, new = columns.t(), (() if out is not None else (columns,))
+        if not _mx_on_cuda(weight, plan):
+            return (data, scale), new
+        from fsdp_float8.core.blocks_cuda import swizzled_right_scale
+
+        # the right operand's scale: W.t()'s for the output GEMM, W's for grad_input
+        right = scale.t() if gemm is Gemm.OUTPUT else scale
+        n = data.shape[0] if gemm is Gemm.OUTPUT else data.shape[1]
+        swizzled = swizzled_right_scale(right, plan.blocks[gemm][1], n)
+        if out is None:
+            return (data, swizzled), (*new, swizzled)
+        assert out[1] is not None
+        out[1].copy_(swizzled)
+        return (data, out[1]), new
+    if kind == "columns":
+        strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+        assert isinstance(strategy, DynamicScaling)
+        dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+        return _columns_from_rows(data, scale, strategy, dtype, out)
+    return _grad_input_from_rows((data, scale), plan, cast, context), ()
+
+
+def _empty_t(data: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A row-major (K, N) buffer for an (N, K) weight's column-major copy."""
+    return torch.empty(
+        (data.shape[1], data.shape[0]), dtype=dtype or data.dtype, device=data.device
+    )
+
+
+def _grad_input_from_rows(rows: Pair, plan: CastPlan, cast: Cast, context) -> Pair:
+    """The grad_input operand from a row-cast weight (sharded or not, so a model's numerics
+    do not depend on how it is sharded)."""
     scale = rows[1]
-    if gemm is Gemm.OUTPUT or scale is None or scale.dim() == 0 or plan.shared(Operand.WEIGHT):
+    if scale is None or scale.dim() == 0 or plan.shared(Operand.WEIGHT):
         return rows
     # grad_input contracts over the rows: re-cast from the row-cast weight (no extra bytes
     # gathered; grad_input SQNR within ~0.1 dB (rowwise) / ~2.5 dB (tensorwise,
     # rowwise_with_gw_hp) of a cast from hp)
-    strategy = plan.strategies[(Operand.WEIGHT, gemm)]
+    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
     # a scale that broadcasts (tensorwise, per column): re-cast in place; blocks need
     # their own cast, from the dequantized weight
     if (
@@ -148,22 +243,35 @@ def weight_for(weight: torch.Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, con
         and isinstance(strategy, DynamicScaling)
         and isinstance(strategy.granularity, (Tensorwise, Axiswise))
     ):
-        return _columns_from_rows(rows[0], scale, strategy, plan.dtypes[(Operand.WEIGHT, gemm)])
+        dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+        return _columns_from_rows(rows[0], scale, strategy, dtype, None)[0]
     hp = rows[0].to(torch.float32)
     hp.mul_(scale.reciprocal())  # in place: the one float32 copy of the weight
-    return cast(hp, Operand.WEIGHT, gemm, plan, context)
+    return cast(hp, Operand.WEIGHT, Gemm.GRAD_INPUT, plan, context)
 
 
 def _columns_from_rows(
-    data: torch.Tensor, row_scale: torch.Tensor, strategy: DynamicScaling, dtype: torch.dtype
-) -> Pair:
+    data: torch.Tensor,
+    row_scale: torch.Tensor,
+    strategy: DynamicScaling,
+    dtype: torch.dtype,
+    out: Pair | None,
+) -> tuple[Pair, tuple[torch.Tensor, ...]]:
     """A row-cast (N, K) weight re-cast along N for grad_input, in the GEMM's column-major
     layout: one float32 (K, N) buffer, dequantized, scaled and clamped in place, plus the
     amax's transient |x| (a bf16 weight cast from hp writes ~1.75 float32 weights' bytes).
-    The same values as dequantize-then-`cast_operand` (elementwise ops, exact max)."""
+    The same values as dequantize-then-`cast_operand` (elementwise ops, exact max). With
+    `out`, the float8 columns and their scale are written into its buffers."""
     hp_t = data.t().to(torch.float32, memory_format=torch.contiguous_format)
     hp_t.mul_(row_scale.reciprocal().t())
     scale = strategy.scale(hp_t, 1, dtype)  # (K, 1) or 0-d
     fmax = float8_max(dtype)
     hp_t.mul_(scale).clamp_(min=-fmax, max=fmax)
-    return hp_t.to(dtype).t(), (scale.t() if scale.dim() == 2 else scale)
+    if out is None:
+        columns = hp_t.to(dtype)
+        return (columns.t(), (scale.t() if scale.dim() == 2 else scale)), (columns, scale)
+    columns, scale_buffer = out[0].t(), out[1]
+    assert scale_buffer is not None
+    columns.copy_(hp_t)  # the cast to float8, as `.to(dtype)` rounds
+    (scale_buffer.t() if scale.dim() == 2 else scale_buffer).copy_(scale)
+    return out, ()

@@ -55,7 +55,14 @@ def _tensorwise(t: Float8Tensor) -> bool:
 @implements(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
     t = args[0]
-    return _rewrap(t, func(t._data), func(t._scale))
+    return _same_weight(t, _rewrap(t, func(t._data), func(t._scale)))
+
+
+def _same_weight(t: Float8Tensor, new: Float8Tensor) -> Float8Tensor:
+    """`new` is the same weight as `t` (FSDP2 makes its unsharded parameter so: as_strided,
+    which may cut padding rows, then detach): it keeps `t`'s once-per-unshard operands."""
+    new._operands = t._operands
+    return new
 
 
 @implements(aten.clone.default)
@@ -134,13 +141,14 @@ def _as_strided(func, args, kwargs):
     if (per_row or t._block is not None) and size == list(t.shape) and not offset:
         # nothing to cut: keep the data's strides (the rowwise and block all-gather outputs
         # have the scales' bytes between rows, so the data is not contiguous)
-        return _rewrap(t, t._data)
+        return _same_weight(t, _rewrap(t, t._data))
     _refuse_blocks(t, f"as_strided to {size}")
     data = func(t._data, *args[1:], **kwargs)
+    # (cutting the padding rows keeps the weight: its operands are built from the cut one)
     if _tensorwise(t):
-        return _rewrap(t, data)
+        return _same_weight(t, _rewrap(t, data))
     if per_row and t._data.is_contiguous():
-        return _rewrap(t, data, scale[: size[0]])
+        return _same_weight(t, _rewrap(t, data, scale[: size[0]]))
     raise ValueError(
         f"as_strided on an axiswise Float8Tensor with scale {tuple(scale.shape)} is only "
         "supported for per-row scales of a contiguous tensor"

@@ -16,10 +16,19 @@ autograd and FSDP2 see a tensor of the parameter's dtype. Ops on it live in `flo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 
 from fsdp_float8.core.blocks import dequantize_blocks
 from fsdp_float8.core.scaling import cast_to_float8_data
+
+
+class OperandCache(Protocol):
+    def operand(self, gemm, build: Callable) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def refilled(self) -> None: ...
 
 
 class Float8Tensor(torch.Tensor):
@@ -28,6 +37,10 @@ class Float8Tensor(torch.Tensor):
     _orig_dtype: torch.dtype
     _emulate: bool
     _block: tuple[int, int] | None
+    # an unsharded weight built by a float8 all-gather: its GEMM operands, built once per
+    # unshard (`fsdp_float8.formats.operands.GatheredOperands`); carried by the ops FSDP2
+    # applies to it (detach, alias, as_strided), not flattened (compile builds its own)
+    _operands: OperandCache | None = None
 
     @staticmethod
     def __new__(

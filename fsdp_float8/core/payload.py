@@ -10,7 +10,7 @@ codec. One buffer, because at shard size 1 FSDP2 hands the post-all-gather hook 
 first input, because on CUDA nothing made on the all-gather copy-in stream then outlives
 the all-gather output, and because gloo rejects float8 dtypes (the bytes go as uint8).
 (The rowwise weight all-gather sends its data and its float32 row scales as two inputs
-instead, so the gathered data is contiguous for the GEMM: `weight_wrappers/gather.py`.)
+instead, so the gathered data is contiguous for the GEMM: `fsdp_float8.formats.rowwise`.)
 
 Scales travel as float32 (4 bytes, exact) or as e8m0 (1 byte, for power-of-two scales), in
 ONE e8m0 convention, MX's: the byte is the biased exponent (bias 127) of the dequantization

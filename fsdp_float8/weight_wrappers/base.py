@@ -9,7 +9,8 @@ FSDP2 hooks (torch 2.13 signatures):
 - `fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`: cast the local
   shard to float8 with `float8_scale(...)` (the only thing subclasses decide), pad it to the
   padded shard size (uneven sharding), return it as a `uint8` view (gloo rejects float8; one
-  code path for NCCL too) with a typed metadata record (`gather`: tensorwise, rowwise).
+  code path for NCCL too) with the typed metadata record of its format
+  (`fsdp_float8.formats`: tensorwise, rowwise, block).
 - `fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)`: view the gathered
   bytes as float8 and return a `Float8Tensor`; later calls refill `out` in place (its data
   already aliases the all-gather output) and only refresh its scale.
@@ -21,11 +22,9 @@ which says why the inner tensor's `_version` cannot serve).
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -33,8 +32,8 @@ from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
+from fsdp_float8.formats import rowwise, tensorwise
 from fsdp_float8.weight_wrappers.cast import WeightCast
-from fsdp_float8.weight_wrappers.gather import RowwiseGather, TensorwiseGather
 from fsdp_float8.weight_wrappers.state import WeightState, written_args
 
 aten = torch.ops.aten
@@ -248,24 +247,13 @@ class Float8WeightWrapper(torch.Tensor):
         else:
             scale = self.float8_scale(shard_group(sharded, None, mesh))
         data = cast_to_float8_data(self._tensor, scale, self.float8_dtype)
-        emulate = self._cast.emulate
+        emulate, shards = self._cast.emulate, mesh.size()
         if self.rowwise:
-            if outer_size[0] % mesh.size() != 0:  # every rank sees this: no rank hangs
-                raise ValueError(
-                    f"rowwise float8 all-gather of a weight with {outer_size[0]} rows over "
-                    f"{mesh.size()} shards: FSDP2 needs every all-gather input at the padded "
-                    "shard size, which the row scales cannot have; use rows divisible by the "
-                    "shard count, the 'tensorwise' recipe, or enable_fsdp_float8_all_gather=False"
-                )
+            rowwise.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
             mid = tuple(outer_size[1:-1])
-            return RowwiseGather.pack(data, scale, emulate, mid, shards=mesh.size())
-        data = data.view(torch.uint8)
-        padded_rows = math.ceil(outer_size[0] / mesh.size())
-        if data.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
-            padding = [0, 0] * (data.dim() - 1) + [0, padded_rows - data.shape[0]]
-            data = F.pad(data, padding)
-        return (data,), TensorwiseGather(scale, self.float8_dtype, emulate)
+            return rowwise.RowwiseGather.pack(data, scale, emulate, mid, shards=shards)
+        return tensorwise.pack(data, scale, outer_size, shards, emulate)
 
 
 def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:

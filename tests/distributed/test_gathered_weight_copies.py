@@ -61,10 +61,12 @@ def test_no_copy_of_a_gathered_weight_before_the_forward_gemm(tmp_path):
         assert per_rank == dict.fromkeys(RECIPES, 0)
 
 
-def _quantizes(recipe: str, reshard_after_forward: bool, mesh) -> tuple[list[int], bool]:
-    """Pre-all-gather casts of the first linear's weight in each of 2 steps (1 micro-batch
-    with reshard_after_forward, else 2), and whether every forward saw the same unsharded
-    data and scale tensors."""
+def _quantizes(recipe: str, reshard_after_forward: bool, mesh):
+    """Per step of 2 (1 micro-batch with reshard_after_forward, else 2): pre-all-gather
+    casts of the first linear's weight and weight-sized float8 writes (grad_input operands
+    built from a gathered weight, both linears); whether every forward saw the same
+    unsharded data and scale tensors; and whether the grad_input operand's buffers were
+    freed with the gathered weight after each step."""
     from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
     torch.manual_seed(0)
@@ -82,7 +84,7 @@ def _quantizes(recipe: str, reshard_after_forward: bool, mesh) -> tuple[list[int
         calls[0] += self._state is first._state
         return original(self, mesh, outer_size, outer_stride, module, mp_policy)
 
-    per_step, tensors = [], set()
+    per_step, tensors, copies, freed = [], set(), [], []
     record = model[0].register_forward_pre_hook(  # after FSDP2's: the unsharded weight
         lambda m, args: tensors.add((id(m.weight._data), id(m.weight._scale)))
     )
@@ -91,25 +93,38 @@ def _quantizes(recipe: str, reshard_after_forward: bool, mesh) -> tuple[list[int
     try:
         for _ in range(2):
             calls[0] = 0
-            for micro in range(micro_batches):
-                last = micro == micro_batches - 1
-                model.set_requires_gradient_sync(last)
-                model.set_reshard_after_backward(last)
-                model(torch.randn(8, DIM)).sum().backward()
+            with _WeightCopies() as counter:
+                for micro in range(micro_batches):
+                    last = micro == micro_batches - 1
+                    model.set_requires_gradient_sync(last)
+                    model.set_reshard_after_backward(last)
+                    model(torch.randn(8, DIM)).sum().backward()
             opt.step()
             opt.zero_grad()
             per_step.append(calls[0])
+            copies.append(counter.count)
+            freed.append(_operand_buffers_freed(model[0]))
     finally:
         Float8WeightWrapper.fsdp_pre_all_gather = original  # type: ignore[method-assign]
         record.remove()
-    return per_step, len(tensors) == 1
+    return per_step, len(tensors) == 1, copies, freed
+
+
+def _operand_buffers_freed(layer) -> bool:
+    """The buffers the gathered weight's operands record added to FSDP2's inner tensors
+    hold no memory once FSDP2 resharded the weight (none added: True)."""
+    (param,) = layer._get_fsdp_state()._fsdp_param_group.fsdp_params
+    record = getattr(param._unsharded_param, "_operands", None)
+    if record is None:
+        return True
+    return all(t.untyped_storage().size() == 0 for t in record.inner)
 
 
 def _lifecycle_grid(rank: int, world_size: int):
     mesh = cpu_mesh(world_size)
     return {
         (recipe, raf): _quantizes(recipe, raf, mesh)
-        for recipe in ("tensorwise", "rowwise")
+        for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
         for raf in (True, False)
     }
 
@@ -118,8 +133,14 @@ def test_quantize_once_per_all_gather(tmp_path):
     # reshard_after_forward=True: the forward gathers (1) and the backward re-gathers (1);
     # False, 2 micro-batches with gradient sync and the reshard after backward held back
     # until the last: 1 gather per step, reused by both. The unsharded weight is refilled
-    # in place: one data and one scale tensor throughout.
+    # in place: one data and one scale tensor throughout. The grad_input operand is built
+    # once per gather and linear (2 per step either way: before, False built it in each
+    # micro-batch's backward, 4 per step): tensorwise a column-major copy, rowwise a re-cast
+    # along the columns; MX's square blocks serve grad_input as they are (emulated block
+    # GEMM: no copy). Its buffers go with the gathered weight at reshard.
     for per_rank in run_distributed(_lifecycle_grid, 2, tmp_path, timeout_s=300):
-        for (recipe, raf), (per_step, same_tensors) in per_rank.items():
+        for (recipe, raf), (per_step, same_tensors, copies, freed) in per_rank.items():
             assert per_step == ([2, 2] if raf else [1, 1]), (recipe, raf, per_step)
             assert same_tensors, (recipe, raf)
+            assert copies == ([0, 0] if recipe == "mxfp8" else [2, 2]), (recipe, raf, copies)
+            assert freed == [True, True], (recipe, raf)

@@ -136,3 +136,40 @@ def test_fsdp_experts(recipe):
         calls = _train_step(config, mesh, H200, moe=True)
     _expect_collectives(calls)
     assert calls["_scaled_grouped_mm"] > 0, dict(calls)
+
+
+def test_mx_weight_scales_are_swizzled_once_per_unshard():
+    """MXFP8 on SM100: each GEMM swizzles the e8m0 scales of the activations it casts; a
+    gathered weight's scales come swizzled, built once per unshard (the output GEMM's in
+    forward, grad_input's in backward's re-gather), never inside a GEMM. Per linear and
+    step: 3 GEMMs, 4 swizzles inside them (output: input; grad_input: grad_output;
+    grad_weight: both), 2 outside (the weight's, one per weight GEMM)."""
+    from unittest import mock
+
+    from fsdp_float8.core import blocks_cuda
+
+    make, cap = WRAPPERS["block_mxfp8"]
+    swizzle, gemm = blocks_cuda.swizzle_32_4_4, blocks_cuda.cuda_block_scaled_mm
+    depth, counts = [0], {"gemms": 0, "inside": 0, "outside": 0}
+
+    def counted_swizzle(scale):
+        counts["inside" if depth[0] else "outside"] += 1
+        return swizzle(scale)
+
+    def counted_gemm(*args, **kwargs):
+        counts["gemms"] += 1
+        depth[0] += 1
+        try:
+            return gemm(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    with (
+        mock.patch.object(blocks_cuda, "swizzle_32_4_4", counted_swizzle),
+        mock.patch.object(blocks_cuda, "cuda_block_scaled_mm", counted_gemm),
+        fake_world((8,)) as mesh,
+    ):
+        _train_step(make(enable_fsdp_float8_all_gather=True), mesh, cap)
+    linears, rest = divmod(counts["gemms"], 3)
+    assert linears > 0 and rest == 0, counts
+    assert counts["inside"] == 4 * linears and counts["outside"] == 2 * linears, counts

@@ -256,7 +256,7 @@ def test_swizzle_places_each_scale_where_the_blocked_layout_says() -> None:
 def test_block_payload_round_trips_the_scales_of_every_shard(scale_dtype) -> None:
     """Two shards packed as the all-gather pre-hook packs them, concatenated as the
     all-gather does: the post-hook's unpack gives the whole weight's data and scales."""
-    from fsdp_float8.weight_wrappers.gather import BlockGather
+    from fsdp_float8.formats.block import BlockGather
 
     weight = torch.randn(128, 96, generator=torch.Generator().manual_seed(6))
     block, shards = (32, 32), weight.chunk(2)

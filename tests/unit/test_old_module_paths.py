@@ -59,9 +59,10 @@ OLD_PATHS = {
         "fsdp_float8.weight_wrappers.static",
         ["StaticFloat8Weight"],
     ),
+    # one record per format, each in its format's module
     "fsdp_float8.fsdp.weight_wrappers.gather": (
-        "fsdp_float8.weight_wrappers.gather",
-        ["BlockGather", "RowwiseGather", "TensorwiseGather"],
+        "fsdp_float8.formats",
+        ["block.BlockGather", "rowwise.RowwiseGather", "tensorwise.TensorwiseGather"],
     ),
     "fsdp_float8.fsdp.weight_wrappers.state": (
         "fsdp_float8.weight_wrappers.state",
@@ -93,10 +94,11 @@ def test_old_path_warns_and_gives_the_same_objects(old: str) -> None:
         alias = _fresh_import(old)
     # the warning points at the importing line, not at the import machinery
     assert caught[0].filename == __file__
-    target = importlib.import_module(new)
-    for name in names:
-        assert getattr(alias, name) is getattr(target, name), name
-    assert sorted(alias.__all__) == sorted(names)
+    for dotted in names:  # a name, or module.name under the new home
+        module, _, name = dotted.rpartition(".")
+        target = importlib.import_module(f"{new}.{module}" if module else new)
+        assert getattr(alias, name) is getattr(target, name), dotted
+    assert sorted(alias.__all__) == sorted(n.rpartition(".")[2] for n in names)
 
 
 def test_from_import_of_an_old_path() -> None:

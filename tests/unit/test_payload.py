@@ -12,9 +12,11 @@ import torch
 from fsdp_float8 import Float8LinearConfig, Float8Tensor
 from fsdp_float8.core.payload import E8M0, PayloadLayout, e8m0_from_scale, scale_from_e8m0
 from fsdp_float8.core.scaling import Blockwise, DynamicScaling
+from fsdp_float8.formats.block import BlockGather
+from fsdp_float8.formats.rowwise import RowwiseGather
+from fsdp_float8.formats.tensorwise import TensorwiseGather
 from fsdp_float8.fsdp.reduce_scatter import dequantize_blocks, quantize_blocks
 from fsdp_float8.nn.linear import Float8Linear
-from fsdp_float8.weight_wrappers.gather import BlockGather, RowwiseGather, TensorwiseGather
 
 E4M3 = torch.float8_e4m3fn
 

@@ -1,12 +1,13 @@
-"""Deprecated path, kept for one release: this module lives in
-`fsdp_float8.weight_wrappers.gather`. Checkpoints saved with `torch.save` before the move name
-its classes by this path; loading one imports this alias, which gives the very objects of the
-new home (see `fsdp_float8.fsdp.weight_wrappers`).
+"""Deprecated path, kept for one release: the all-gather metadata records live in
+`fsdp_float8.formats` (`tensorwise`, `rowwise`, `block`), one module per format. Importing
+this alias gives the very objects of their homes (see `fsdp_float8.fsdp.weight_wrappers`).
 """
 
+from fsdp_float8.formats.block import BlockGather
+from fsdp_float8.formats.rowwise import RowwiseGather
+from fsdp_float8.formats.tensorwise import TensorwiseGather
 from fsdp_float8.fsdp.weight_wrappers import _warn
-from fsdp_float8.weight_wrappers.gather import BlockGather, RowwiseGather, TensorwiseGather
 
 __all__ = ["BlockGather", "RowwiseGather", "TensorwiseGather"]
 
-_warn(__name__, "fsdp_float8.weight_wrappers.gather")
+_warn(__name__, "fsdp_float8.formats")

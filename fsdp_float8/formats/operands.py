@@ -1,0 +1,65 @@
+"""A gathered weight's GEMM operands, built once per unshard: `GatheredOperands`.
+
+Mental model. FSDP2 all-gathers a weight's float8 shards into one unsharded `Float8Tensor`
+whose data is already the output GEMM's operand (a row-major (N, K) weight is the
+column-major (K, N) operand that GEMM takes). The grad_input GEMM contracts over the other
+dim and wants the weight the other way round: column-major (N, K), and for per-row scales a
+re-cast along the columns (`fsdp_float8.core.cast_plan.gathered_grad_input`). That operand is
+built at its first use after an all-gather and reused until the next one: by every backward
+that runs while the weight stays unsharded (`reshard_after_forward=False`, micro-batches
+with the reshard after backward held back). Activation-checkpoint recompute re-runs only the
+output GEMM, which takes the gathered data as it is.
+
+Memory follows FSDP2's own buffers: the operand's buffers join the post-all-gather hook's
+inner tensors, which FSDP2 frees at reshard and re-allocates at the next unshard, so the
+operand lives exactly as long as the gathered weight (one extra byte per element: float8
+rows plus float8 columns, the two bytes per element of a bf16-gathered weight).
+
+Under torch.compile the record is not part of the traced tensor (`Float8Tensor`'s
+flattening carries data and scale only): the graph builds the operand itself, with the same
+values (`core.cast_plan.weight_for`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+Pair = tuple[torch.Tensor, torch.Tensor | None]
+# build(previous operand or None) -> (operand, buffers it newly allocated): the previous
+# operand's tensors are the buffers to write into (FSDP2 re-allocated them)
+Build = Callable[[Pair | None], tuple[Pair, tuple[torch.Tensor, ...]]]
+
+
+@dataclass(eq=False)
+class GatheredOperands:
+    """The unsharded weight's GEMM operands that are not the gathered data as it is,
+    each built once per unshard (module docstring). Keyed by the GEMM."""
+
+    # the post-all-gather hook's inner tensors, the very list FSDP2 keeps: it frees each
+    # at reshard and re-allocates each before the next post-all-gather call
+    inner: list[torch.Tensor]
+    builds: int = 0  # how many times an operand was built (tests count it)
+    _operands: dict[object, Pair] = field(default_factory=dict, repr=False)
+    _fresh: set[object] = field(default_factory=set, repr=False)
+
+    def refilled(self) -> None:
+        """FSDP2 gathered new values into the weight: every operand must be rebuilt."""
+        self._fresh.clear()
+
+    def operand(self, gemm: object, build: Build) -> Pair:
+        if gemm in self._fresh:
+            return self._operands[gemm]
+        operand, new_buffers = build(self._operands.get(gemm))
+        for buffer in new_buffers:  # FSDP2 frees and re-allocates them with the weight's
+            whole = buffer.storage_offset() == 0 and buffer.numel() * buffer.itemsize == (
+                buffer.untyped_storage().nbytes()
+            )
+            assert whole, "an operand buffer must span its whole storage"
+            self.inner.append(buffer)
+        self._operands[gemm] = operand
+        self._fresh.add(gemm)
+        self.builds += 1
+        return operand

@@ -1,0 +1,88 @@
+"""Tensorwise float8 weights: one scale for the whole weight.
+
+Quantize: the shard is cast with a scale from the amax of the *whole* weight (a cross-rank
+MAX over the shard mesh, or the float8 step's one refresh collective), so every rank casts
+with the same scale and the gathered bytes equal a cast of the unsharded weight.
+
+Pack: the float8 bytes only, as one `uint8` input (gloo rejects float8 dtypes). The scale,
+the same on every rank, travels as metadata: under uneven sharding FSDP2 demands every input
+at exactly the padded shard size, which leaves the data no room for it. The gathered data
+serves both weight GEMMs (a tensorwise scale is the same whichever dim is contracted):
+grad_input gets a column-major copy, never a re-cast (`operands`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.formats.operands import GatheredOperands
+
+NEEDS_GLOBAL_AMAX = True
+
+
+def read_here(scale: torch.Tensor) -> None:
+    """A scale made on FSDP2's all-gather copy-in stream, read on the current stream:
+    without this the caching allocator may hand its memory to the next block's prefetch
+    (on the copy-in stream) before the read has run."""
+    if scale.is_cuda:
+        scale.record_stream(torch.cuda.current_stream(scale.device))
+
+
+def unsharded(out) -> Float8Tensor:
+    if not isinstance(out, Float8Tensor):
+        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+    return out
+
+
+def attach_operands(weight: Float8Tensor, inner: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Give a freshly built unsharded 2-D weight its once-per-unshard operands record;
+    `inner` (the tensors FSDP2 frees and refills) is the list the record extends."""
+    if weight._data.dim() == 2:
+        weight._operands = GatheredOperands(inner)
+    return inner
+
+
+def refilled(out: Float8Tensor) -> None:
+    if out._operands is not None:
+        out._operands.refilled()
+
+
+def pack(
+    data: torch.Tensor, scale: torch.Tensor, outer_size, shards: int, emulate: bool
+) -> tuple[tuple[torch.Tensor, ...], TensorwiseGather]:
+    """The float8 shard as one `uint8` input, padded to the padded shard size."""
+    data_bytes = data.view(torch.uint8)
+    padded_rows = math.ceil(outer_size[0] / shards)
+    if data_bytes.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
+        padding = [0, 0] * (data_bytes.dim() - 1) + [0, padded_rows - data_bytes.shape[0]]
+        data_bytes = F.pad(data_bytes, padding)
+    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate)
+
+
+@dataclass(frozen=True, eq=False)
+class TensorwiseGather:
+    scale: torch.Tensor  # 0-d float32, the same on every rank
+    float8_dtype: torch.dtype
+    emulate: bool
+
+    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gathered.view(self.float8_dtype), self.scale
+
+    def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
+        data, scale = self.unpack(outputs[0])
+        read_here(scale)
+        # a scale of its own: `self.scale` is shared (the wrapper's stamped scale; static
+        # scaling: one cached tensor for every layer)
+        weight = Float8Tensor(data, scale.clone(), param_dtype, self.emulate)
+        return weight, attach_operands(weight, [data])
+
+    def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
+        read_here(self.scale)
+        out = unsharded(out)
+        out._scale.copy_(self.scale)
+        refilled(out)
