@@ -261,17 +261,18 @@ def _columns_from_rows(
     layout: one float32 (K, N) buffer, dequantized, scaled and clamped in place, plus the
     amax's transient |x| (a bf16 weight cast from hp writes ~1.75 float32 weights' bytes).
     The same values as dequantize-then-`cast_operand` (elementwise ops, exact max). With
-    `out`, the float8 columns and their scale are written into its buffers."""
+    `out`, the float8 columns are written into its buffer; the new buffers returned are the
+    columns only (FSDP2 frees them with the weight), the K scales are kept as made."""
     hp_t = data.t().to(torch.float32, memory_format=torch.contiguous_format)
     hp_t.mul_(row_scale.reciprocal().t())
     scale = strategy.scale(hp_t, 1, dtype)  # (K, 1) or 0-d
     fmax = float8_max(dtype)
     hp_t.mul_(scale).clamp_(min=-fmax, max=fmax)
+    scale_t = scale.t() if scale.dim() == 2 else scale
     if out is None:
         columns = hp_t.to(dtype)
-        return (columns.t(), (scale.t() if scale.dim() == 2 else scale)), (columns, scale)
-    columns, scale_buffer = out[0].t(), out[1]
-    assert scale_buffer is not None
+        return (columns.t(), scale_t), (columns,)
+    columns = out[0].t()
     columns.copy_(hp_t)  # the cast to float8, as `.to(dtype)` rounds
-    (scale_buffer.t() if scale.dim() == 2 else scale_buffer).copy_(scale)
-    return out, ()
+    # the scale (K floats) is the fresh one: a copy into a kept buffer would be an op more
+    return (out[0], scale_t), ()

@@ -89,6 +89,6 @@ class BlockGather:
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
         _, scale = self.unpack(outputs[0])  # the data aliases the refilled all-gather output
-        out = unsharded(out)
+        out = unsharded(out, outputs[0])
         out._scale.copy_(scale)
         refilled(out)

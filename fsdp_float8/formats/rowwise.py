@@ -85,7 +85,7 @@ class RowwiseGather:
         return weight, attach_operands(weight, [outputs[0], scale])
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
-        out = unsharded(out)
+        out = unsharded(out, outputs[0])
         if self.local_scales is not None:  # else the scales view the refilled outputs
             _, scale = self.unpack(outputs)
             read_here(scale)

@@ -33,9 +33,18 @@ def read_here(scale: torch.Tensor) -> None:
         scale.record_stream(torch.cuda.current_stream(scale.device))
 
 
-def unsharded(out) -> Float8Tensor:
+def unsharded(out, gathered: torch.Tensor) -> Float8Tensor:
+    """`out` checked as the weight a refill updates: a Float8Tensor whose data views the
+    all-gather output FSDP2 just refilled (its storage, kept across reshard and unshard)."""
     if not isinstance(out, Float8Tensor):
         raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+    if out._data.untyped_storage()._cdata != gathered.untyped_storage()._cdata:
+        raise RuntimeError(
+            f"refill of an unsharded float8 weight {tuple(out.shape)} whose data does not "
+            f"view the gathered buffer {tuple(gathered.shape)} FSDP2 refilled: the weight "
+            "would keep stale values. Its data was replaced after the first all-gather; "
+            "leave FSDP2's unsharded parameters as FSDP2 built them"
+        )
     return out
 
 
@@ -83,6 +92,6 @@ class TensorwiseGather:
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
         read_here(self.scale)
-        out = unsharded(out)
+        out = unsharded(out, outputs[0])
         out._scale.copy_(self.scale)
         refilled(out)

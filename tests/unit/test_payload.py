@@ -89,3 +89,36 @@ def test_all_gather_metadata_is_a_typed_record(recipe) -> None:
     assert isinstance(weight, Float8Tensor) and weight.shape == w.shape
     # the gathered float8 weight dequantizes to the weight within e4m3 precision
     torch.testing.assert_close(weight.dequantize(), w._tensor, rtol=0.07, atol=1e-6)
+
+
+def _tensorwise_meta(data: torch.Tensor, scale: torch.Tensor):
+    return TensorwiseGather(scale, data.dtype, False)
+
+
+@pytest.mark.parametrize("fmt", ["tensorwise", "rowwise", "block"])
+def test_a_refill_checks_the_weight_still_views_the_gathered_buffer(fmt) -> None:
+    """A refill updates the unsharded weight FSDP2 built from the gathered buffers; one whose
+    data no longer views them (replaced after the first all-gather) would keep stale values
+    silently, so it is refused. The refill of the real weight updates its scale in place."""
+    hp = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    if fmt == "block":
+        mx = DynamicScaling(granularity=Blockwise((32, 32), E8M0), power_of_2=True)
+        scale = mx.scale(hp, -1, E4M3)
+        data = mx.granularity.cast(hp, scale, -1, E4M3)
+        payload, meta = BlockGather.pack(data, scale, E8M0, False, (32, 32))
+        outputs: tuple = (payload,)
+    elif fmt == "rowwise":
+        scale = 448.0 / hp.abs().amax(dim=1, keepdim=True)
+        data = (hp * scale).to(E4M3)
+        outputs, meta = RowwiseGather.pack(data, scale, False, (), shards=2)
+    else:
+        scale = 448.0 / hp.abs().amax()
+        data = (hp * scale).to(E4M3)
+        outputs, meta = (data.view(torch.uint8),), _tensorwise_meta(data, scale)
+    weight, inner = meta.build(outputs, torch.float32)
+    scale_tensor, before = weight._scale, weight.dequantize()
+    meta.refill(weight, outputs)  # the same buffers: accepted, the scale kept in place
+    assert weight._scale is scale_tensor and torch.equal(weight.dequantize(), before)
+    stale = Float8Tensor(weight._data.clone(), weight._scale, torch.float32, block=weight._block)
+    with pytest.raises(RuntimeError, match="does not view the gathered buffer"):
+        meta.refill(stale, outputs)
