@@ -154,6 +154,7 @@ def scaled_mm_data(
     pad_inner_dim: bool = False,
     blocks: tuple[Block | None, Block | None] = (None, None),
     scale_dtype: torch.dtype = torch.float32,
+    inv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """a (M, K) @ b (K, N) from float8 data and scales (`scale` multiplies hp into fp8).
     Lays out a row-major and b column-major (what the hardware GEMM needs), pads K and N to
@@ -161,14 +162,19 @@ def scaled_mm_data(
     emulates it in float32. Takes plain tensors so the linear layer's autograd function
     traces under torch.compile without building subclasses inside the graph.
     `blocks`: each operand's (rows, cols) block when block-scaled: then the block GEMM
-    (`fsdp_float8.core.blocks.block_scaled_mm`, with `scale_dtype` float32 or e8m0) runs."""
+    (`fsdp_float8.core.blocks.block_scaled_mm`, with `scale_dtype` float32 or e8m0) runs.
+    `inv_scales`: for two 0-d scales, their reciprocals, when the caller has them already
+    (one operand's scale serving two GEMMs)."""
     if blocks != (None, None):
         return block_scaled_mm(
             a_data, a_scale, blocks[0], b_data, b_scale, blocks[1], out_dtype=out_dtype,
             emulate=emulate, use_fast_accum=use_fast_accum, scale_dtype=scale_dtype,
         )  # fmt: skip
     n = b_data.shape[1]
-    inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n)
+    if inv_scales is not None:  # both 0-d: `1 / scale` of each, computed by the caller
+        inv_a, inv_b = inv_scales
+    else:
+        inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n)
     a_data, b_data = row_and_column_major(a_data, b_data)
     cuda = not emulate and a_data.is_cuda
     a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)

@@ -9,8 +9,9 @@ Under tensor parallelism the weight is a DTensor and the layer runs on local ten
 (`fsdp_float8.tensor_parallel.styles`).
 
 Memory: backward keeps the weight parameter itself (FSDP2 frees and re-gathers it around
-backward as it does for bf16) and the high-precision input, or the float8 input with
-`save_input_in_float8=True`.
+backward as it does for bf16) and the input: in float8 where grad_weight takes the
+forward's input cast as it is (tensorwise: the same scale and bytes), else in high
+precision, or its grad_weight cast with `save_input_in_float8=True`.
 """
 
 from __future__ import annotations
@@ -58,10 +59,25 @@ def _t(pair: Pair) -> Pair:
     return data.t(), (scale.t() if scale is not None and scale.dim() == 2 else scale)
 
 
-def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> torch.Tensor:
+def _inverse(scale: torch.Tensor, inverses: dict) -> torch.Tensor:
+    """`1 / scale` (what the GEMM takes), once per scale tensor within one forward or
+    backward (x's serves output and grad_weight, grad_output's grad_input and grad_weight);
+    the entry keeps the scale alive, so its id stays its own."""
+    entry = inverses.get(id(scale))
+    if entry is None:
+        entry = inverses[id(scale)] = (scale, scale.reciprocal())
+    return entry[1]
+
+
+def _gemm(
+    left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype, inverses: dict
+) -> torch.Tensor:
     (a, a_scale), (b, b_scale) = left, right
     if a_scale is None or b_scale is None:  # both or neither (the config checks)
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
+    inv_scales = None
+    if a_scale.dim() == 0 and b_scale.dim() == 0:  # tensorwise: reuse each inverse
+        inv_scales = (_inverse(a_scale, inverses), _inverse(b_scale, inverses))
     return scaled_mm_data(
         a,
         a_scale,
@@ -74,6 +90,7 @@ def _gemm(left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype) -> tor
         pad_inner_dim=plan.pad_inner_dim or gemm is Gemm.GRAD_WEIGHT,
         blocks=plan.blocks[gemm],
         scale_dtype=plan.scale_dtypes[gemm],
+        inv_scales=inv_scales,
     )
 
 
@@ -92,35 +109,41 @@ class _Float8LinearFn(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
             saved_x = (x2, None)
-            if save_input_in_float8:  # blocks: tiles along the token dim, cast here from hp
-                shared = plan.shared(Operand.INPUT)
-                saved_x = (
-                    x_fp8
-                    if shared
-                    else cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
-                )
+            if plan.shared(Operand.INPUT):
+                # grad_weight takes the same cast (same scale, same bytes): keep the float8
+                # input, not the hp one (half the memory; backward re-lays it out, one copy)
+                saved_x = x_fp8
+            elif save_input_in_float8:  # blocks: tiles along the token dim, cast from hp
+                saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
-        out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype)
+        inverses: dict = {}
+        out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, inverses)
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
         w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
-        ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale)
+        x_inv = inverses.get(id(x_fp8[1]), (None, None))[1]  # grad_weight's too
+        ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
         ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_data, x_saved_scale, weight, x_scale, w_scale = ctx.saved_tensors
+        x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
         plan, states = ctx.plan, ctx.states
+        inverses: dict = {}
+        if x_inv is not None:
+            for scale in (x_scale, x_saved_scale):
+                if scale is not None:
+                    inverses[id(scale)] = (scale, x_inv)
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
         if isinstance(weight, Float8Tensor) or not plan.shared(Operand.WEIGHT):
             w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
         else:
             w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
-        grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype)
+        grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype, inverses)
         if plan.shared(Operand.GRAD_OUTPUT):
             go_gw = go_fp8
         else:
@@ -132,7 +155,8 @@ class _Float8LinearFn(torch.autograd.Function):
         else:
             x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
-        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype).to(weight.dtype)
+        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype, inverses)
+        grad_w = grad_w.to(weight.dtype)
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
 
 

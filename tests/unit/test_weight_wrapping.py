@@ -83,10 +83,11 @@ class _OneShard:
 def _gather_twice(w):
     """The unsharded weight after FSDP2's first all-gather and one refill (`out=`), the
     hooks called as FSDP2 calls them at shard size 1."""
+    (gathered,), meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), None, None)
+    unsharded, _ = w.fsdp_post_all_gather((gathered,), meta, torch.float32)
     (payload,), meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), None, None)
-    unsharded, _ = w.fsdp_post_all_gather((payload,), meta, torch.float32)
-    (payload,), meta = w.fsdp_pre_all_gather(_OneShard(), w.shape, w.stride(), None, None)
-    assert w.fsdp_post_all_gather((payload,), meta, torch.float32, out=unsharded) is None
+    gathered.copy_(payload)  # FSDP2 refills the same output buffer in place
+    assert w.fsdp_post_all_gather((gathered,), meta, torch.float32, out=unsharded) is None
     return unsharded
 
 
