@@ -81,8 +81,7 @@ def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     return (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
 
 
-# input dtypes whose float32 product with a float32 scale equals upcast-then-multiply
-_UPCAST_IN_MUL = (torch.bfloat16, torch.float16, torch.float32)
+_UPCAST_IN_MUL = (torch.bfloat16, torch.float16, torch.float32)  # exact upcasts to float32
 
 
 def cast_to_float8_data(
@@ -105,8 +104,7 @@ def cast_to_float8_data(
         src, scale = src.t(), (scale.t() if scale.dim() == 2 else scale)
         scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
     elif src.dtype in _UPCAST_IN_MUL and src.dim() > 0 and src.is_contiguous():
-        # one op: a float32 scale with dims makes the product float32, the bf16/fp16 factor
-        # upcast exactly inside the kernel (a 0-d scale would not promote the dtype)
+        # one op: a scale with dims makes the product float32 (a 0-d one would not)
         scaled = src * (scale if scale.dim() > 0 else scale.reshape(1))
     else:
         scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
