@@ -212,5 +212,6 @@ def test_readme_run_block_runs_as_written_in_a_fresh_shell(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)  # the block's own limit is 1800 s; the 300 s default cut it short
 def test_readme_run_block_runs_as_written_in_a_fresh_shell_slow(tmp_path):
     _check_readme_runs(tmp_path, _run_readme_block(tmp_path, (), timeout=1800))
