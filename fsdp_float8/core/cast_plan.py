@@ -30,7 +30,6 @@ from fsdp_float8.core.scaling import (
     Granularity,
     ScalingStrategy,
     Tensorwise,
-    float8_max,
 )
 
 CASTS: tuple[tuple[Operand, Gemm], ...] = tuple(
@@ -215,7 +214,7 @@ def gathered_operand(
         strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
         assert isinstance(strategy, DynamicScaling)
         dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-        return _columns_from_rows(data, scale, strategy, dtype, out)
+        return _columns_from_rows(data, scale, strategy, dtype, out, _pow2_rows(plan))
     return _grad_input_from_rows((data, scale), plan, cast, context), ()
 
 
@@ -244,10 +243,16 @@ def _grad_input_from_rows(rows: Pair, plan: CastPlan, cast: Cast, context) -> Pa
         and isinstance(strategy.granularity, (Tensorwise, Axiswise))
     ):
         dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-        return _columns_from_rows(rows[0], scale, strategy, dtype, None)[0]
+        return _columns_from_rows(rows[0], scale, strategy, dtype, None, _pow2_rows(plan))[0]
     hp = rows[0].to(torch.float32)
     hp.mul_(scale.reciprocal())  # in place: the one float32 copy of the weight
     return cast(hp, Operand.WEIGHT, Gemm.GRAD_INPUT, plan, context)
+
+
+def _pow2_rows(plan: CastPlan) -> bool:
+    """Whether the weight's row scales (its output GEMM cast) are powers of two."""
+    strategy = plan.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
+    return isinstance(strategy, DynamicScaling) and strategy.power_of_2
 
 
 def _columns_from_rows(
@@ -256,6 +261,7 @@ def _columns_from_rows(
     strategy: DynamicScaling,
     dtype: torch.dtype,
     out: Pair | None,
+    pow2_rows: bool,
 ) -> tuple[Pair, tuple[torch.Tensor, ...]]:
     """A row-cast (N, K) weight re-cast along N for grad_input, in the GEMM's column-major
     layout: one float32 (K, N) buffer, dequantized, scaled and clamped in place, plus the
@@ -264,10 +270,12 @@ def _columns_from_rows(
     `out`, the float8 columns are written into its buffer; the new buffers returned are the
     columns only (FSDP2 frees them with the weight), the K scales are kept as made."""
     hp_t = data.t().to(torch.float32, memory_format=torch.contiguous_format)
-    hp_t.mul_(row_scale.reciprocal().t())
+    if pow2_rows:  # x / s is x * (1 / s) exactly: one op
+        hp_t.div_(row_scale.t())
+    else:  # as the dequantization rounds
+        hp_t.mul_(row_scale.reciprocal().t())
     scale = strategy.scale(hp_t, 1, dtype)  # (K, 1) or 0-d
-    fmax = float8_max(dtype)
-    hp_t.mul_(scale).clamp_(min=-fmax, max=fmax)
+    hp_t.mul_(scale)  # the scale of hp_t's own amax: no clamp (`cast_to_float8_data`)
     scale_t = scale.t() if scale.dim() == 2 else scale
     if out is None:
         columns = hp_t.to(dtype)

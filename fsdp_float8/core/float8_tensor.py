@@ -30,6 +30,11 @@ class OperandCache(Protocol):
 
     def refilled(self) -> None: ...
 
+    @property
+    def inverse(self) -> torch.Tensor | None:
+        """`1 / _scale` of a tensorwise weight, made with it (None: not known)."""
+        ...
+
 
 class Float8Tensor(torch.Tensor):
     _data: torch.Tensor

@@ -58,12 +58,30 @@ def amax_to_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool = False
 ) -> torch.Tensor:
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
-    fmax = float8_max(float8_dtype)
-    amax64 = amax.to(torch.float64).clamp(min=fmax / MAX_SCALE)
-    scale = (fmax / amax64).to(torch.float32)
+    fmax, floor = float8_max(float8_dtype), float8_max(float8_dtype) / MAX_SCALE
+    if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
+        # eager, the same numbers in 4 ops: a float64 floor of the amax's rank promotes the
+        # clamp to float64 (a 0-d one would not promote an amax with dims)
+        amax64 = torch.clamp(amax, min=_float64_constant(floor, amax.dim(), amax.device))
+    else:  # traced (fused either way): no tensor constant in the graph
+        amax64 = amax.to(torch.float64).clamp(min=floor)
+    scale = (fmax / amax64).to(torch.float32)  # `fmax / t` is t.reciprocal() * fmax
     if power_of_2:
         scale = round_down_to_power_of_2(scale)
     return scale
+
+
+_CONSTANTS: dict[tuple[float, int, torch.device], torch.Tensor] = {}
+
+
+def _float64_constant(value: float, dims: int, device: torch.device) -> torch.Tensor:
+    """A float64 tensor of `dims` size-1 dims holding `value`, made once per device."""
+    const = _CONSTANTS.get((value, dims, device))
+    if const is None:
+        with torch.inference_mode(False), torch.no_grad():
+            const = torch.full((1,) * dims, value, dtype=torch.float64, device=device)
+        _CONSTANTS[(value, dims, device)] = const
+    return const
 
 
 def scale_from_amax(
@@ -90,8 +108,14 @@ def cast_to_float8_data(
     float8_dtype: torch.dtype,
     *,
     column_major: bool = False,
+    saturate: bool = True,
 ) -> torch.Tensor:
     """Saturating cast: clamp(hp * scale) to the float8 range, then convert.
+
+    `saturate=False` (the scale comes from an amax that covers every value of `hp`: dynamic
+    scaling) skips the clamp, a pass over a float32 copy: |hp * scale| is then at most
+    fp8_max up to the product's float32 rounding, which the conversion rounds to fp8_max,
+    so the bytes are the same.
 
     Out of place: selective activation checkpointing may save any op's output (a
     save-everything policy does) and refuses one mutated afterwards; under torch.compile it
@@ -108,7 +132,9 @@ def cast_to_float8_data(
         scaled = src * (scale if scale.dim() > 0 else scale.reshape(1))
     else:
         scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
-    data = torch.clamp(scaled, min=-fmax, max=fmax).to(float8_dtype)
+    if saturate:
+        scaled = torch.clamp(scaled, min=-fmax, max=fmax)
+    data = scaled.to(float8_dtype)
     return data.t() if column_major else data
 
 
@@ -198,10 +224,12 @@ class Granularity(Protocol):
         float8_dtype: torch.dtype,
         *,
         column_major: bool = False,
+        saturate: bool = True,
     ) -> torch.Tensor:
         """The float8 data; `column_major` lays a 2-D result out column-major where the
         granularity's GEMM takes it so (`cast_to_float8_data`); block casts keep their
-        layout (the block GEMM lays out its operands)."""
+        layout (the block GEMM lays out its operands). `saturate=False`: the scale's amax
+        covers `hp` (`cast_to_float8_data`); block casts saturate either way."""
         ...
 
     def broadcastable(self, scale: torch.Tensor, hp: torch.Tensor, dim: int) -> torch.Tensor:
@@ -220,8 +248,10 @@ class Tensorwise:
     def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
         return tensor_amax(hp, exact=exact)
 
-    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False):
-        return cast_to_float8_data(hp, scale, float8_dtype, column_major=column_major)
+    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False, saturate=True):
+        return cast_to_float8_data(
+            hp, scale, float8_dtype, column_major=column_major, saturate=saturate
+        )
 
     def broadcastable(self, scale, hp, dim):
         return scale
@@ -238,8 +268,10 @@ class Axiswise:
     def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
         return axis_amax(hp, dim, exact=exact)  # scales carry no gradient
 
-    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False):
-        return cast_to_float8_data(hp, scale, float8_dtype, column_major=column_major)
+    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False, saturate=True):
+        return cast_to_float8_data(
+            hp, scale, float8_dtype, column_major=column_major, saturate=saturate
+        )
 
     def broadcastable(self, scale, hp, dim):
         return scale
@@ -271,7 +303,7 @@ class Blockwise:
     def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
         return block_amax(hp, self.block(dim))
 
-    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False):
+    def cast(self, hp, scale, dim, float8_dtype, *, column_major=False, saturate=True):
         return cast_to_float8_blocks(hp, scale, self.block(dim), float8_dtype)
 
     def broadcastable(self, scale, hp, dim):

@@ -41,9 +41,16 @@ class GatheredOperands:
     # the post-all-gather hook's inner tensors, the very list FSDP2 keeps: it frees each
     # at reshard and re-allocates each before the next post-all-gather call
     inner: list[torch.Tensor]
+    # a tensorwise weight's (scale, 1 / scale), refilled with the data: its [0] is the
+    # weight's `_scale`, its [1] what the GEMMs multiply by (`inverse`)
+    scales: torch.Tensor | None = None
     builds: int = 0  # how many times an operand was built (tests count it)
     _operands: dict[object, Pair] = field(default_factory=dict, repr=False)
     _fresh: set[object] = field(default_factory=set, repr=False)
+
+    @property
+    def inverse(self) -> torch.Tensor | None:
+        return None if self.scales is None else self.scales[1]
 
     def refilled(self) -> None:
         """FSDP2 gathered new values into the weight: every operand must be rebuilt."""

@@ -81,6 +81,9 @@ class RowwiseGather:
             weight = Float8Tensor(data, scale, param_dtype, self.emulate)
             return weight, attach_operands(weight, list(outputs))
         read_here(scale)
+        # scales of its own, which FSDP2 frees with the data: the metadata's stay with the
+        # pack, which the next all-gather may reuse (`weight_wrappers.base.pack_shard`)
+        scale = scale.clone()
         weight = Float8Tensor(data, scale, param_dtype, self.emulate)
         return weight, attach_operands(weight, [outputs[0], scale])
 

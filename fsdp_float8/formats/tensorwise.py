@@ -8,7 +8,9 @@ Pack: the float8 bytes only, as one `uint8` input (gloo rejects float8 dtypes). 
 the same on every rank, travels as metadata: under uneven sharding FSDP2 demands every input
 at exactly the padded shard size, which leaves the data no room for it. The gathered data
 serves both weight GEMMs (a tensorwise scale is the same whichever dim is contracted):
-grad_input gets a column-major copy, never a re-cast (`operands`).
+grad_input gets a column-major copy, never a re-cast (`operands`). The unsharded weight
+keeps its scale and the scale's inverse (what both GEMMs multiply by) side by side in one
+2-element tensor of its own: written by one op per all-gather, read by no op per GEMM.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def unsharded(out, gathered: torch.Tensor) -> Float8Tensor:
     return out
 
 
-def attach_operands(weight: Float8Tensor, inner: list[torch.Tensor]) -> list[torch.Tensor]:
+def attach_operands(
+    weight: Float8Tensor, inner: list[torch.Tensor], scales: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Give a freshly built unsharded 2-D weight its once-per-unshard operands record;
-    `inner` (the tensors FSDP2 frees and refills) is the list the record extends."""
+    `inner` (the tensors FSDP2 frees and refills) is the list the record extends;
+    `scales`: (scale, 1 / scale) of a tensorwise weight, whose [0] is `weight._scale`."""
     if weight._data.dim() == 2:
-        weight._operands = GatheredOperands(inner)
+        weight._operands = GatheredOperands(inner, scales=scales)
     return inner
 
 
@@ -62,15 +67,21 @@ def refilled(out: Float8Tensor) -> None:
 
 
 def pack(
-    data: torch.Tensor, scale: torch.Tensor, outer_size, shards: int, emulate: bool
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    outer_size,
+    shards: int,
+    emulate: bool,
+    inverse: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], TensorwiseGather]:
-    """The float8 shard as one `uint8` input, padded to the padded shard size."""
+    """The float8 shard as one `uint8` input, padded to the padded shard size. `inverse`:
+    `1 / scale` when the caller has it (the float8 step's refresh computes all at once)."""
     data_bytes = data.view(torch.uint8)
     padded_rows = math.ceil(outer_size[0] / shards)
     if data_bytes.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
         padding = [0, 0] * (data_bytes.dim() - 1) + [0, padded_rows - data_bytes.shape[0]]
         data_bytes = F.pad(data_bytes, padding)
-    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate)
+    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, inverse)
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,20 +89,34 @@ class TensorwiseGather:
     scale: torch.Tensor  # 0-d float32, the same on every rank
     float8_dtype: torch.dtype
     emulate: bool
+    inverse: torch.Tensor | None = None  # 1 / scale, when known already
+
+    def _scales(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(scale, 1 / scale) as one tensor: a fresh one, or written into `out`."""
+        read_here(self.scale)
+        inverse = self.scale.reciprocal() if self.inverse is None else self.inverse
+        read_here(inverse)
+        if out is None:
+            return torch.stack((self.scale, inverse))
+        return torch.stack((self.scale, inverse), out=out)
 
     def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return gathered.view(self.float8_dtype), self.scale
 
     def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
-        data, scale = self.unpack(outputs[0])
-        read_here(scale)
+        data, _ = self.unpack(outputs[0])
         # a scale of its own: `self.scale` is shared (the wrapper's stamped scale; static
         # scaling: one cached tensor for every layer)
-        weight = Float8Tensor(data, scale.clone(), param_dtype, self.emulate)
-        return weight, attach_operands(weight, [data])
+        scales = self._scales()
+        weight = Float8Tensor(data, scales[0], param_dtype, self.emulate)
+        return weight, attach_operands(weight, [data], scales)
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
-        read_here(self.scale)
         out = unsharded(out, outputs[0])
-        out._scale.copy_(self.scale)
+        record = out._operands
+        if record is not None and record.scales is not None:
+            self._scales(out=record.scales)  # `out._scale` views its [0]
+        else:
+            read_here(self.scale)
+            out._scale.copy_(self.scale)
         refilled(out)

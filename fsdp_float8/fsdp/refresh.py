@@ -179,17 +179,25 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
 
 def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.Tensor) -> None:
     """Each weight's stamp from its reduced amax (`amaxes[i]`), as its class says
-    (`stamps_from_amaxes`: a precomputed scale), once per (rule, float8 dtype, power-of-two
-    rule) over all its weights."""
+    (`stamps_from_amaxes`: a precomputed scale, with its inverse when the class asks),
+    once per (rule, float8 dtype, power-of-two rule) over all its weights."""
     by_rule: dict[tuple, list[tuple[int, DynamicFloat8Weight]]] = {}
     for i, w in weights:
-        rule = (type(w).stamps_from_amaxes, w.float8_dtype, w.weight_cast.power_of_2)
+        cls = type(w)
+        rule = (
+            cls.stamps_from_amaxes,
+            cls.STAMPS_INVERSE,
+            w.float8_dtype,
+            w.weight_cast.power_of_2,
+        )
         by_rule.setdefault(rule, []).append((i, w))
-    for (stamps_from, dtype, pow2), members in by_rule.items():
+    for (stamps_from, with_inverse, dtype, pow2), members in by_rule.items():
         index = torch.tensor([i for i, _ in members], device=amaxes.device)
         stamps = stamps_from(amaxes[index], dtype, pow2)
-        for (_, w), stamp in zip(members, stamps.unbind(), strict=True):
-            w.set_precomputed_scale(stamp)
+        # the GEMMs multiply by 1 / scale: one op here, none per GEMM
+        inverses = stamps.reciprocal().unbind() if with_inverse else (None,) * len(members)
+        for (_, w), stamp, inverse in zip(members, stamps.unbind(), inverses, strict=True):
+            w.set_precomputed_scale(stamp, inverse)
 
 
 def _agree(units: list[Unit], group: Group, at: str | None) -> None:

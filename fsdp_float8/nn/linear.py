@@ -36,6 +36,7 @@ from fsdp_float8.core.gemms import (
     Gemm,
     Operand,
 )
+from fsdp_float8.core.scaling import DynamicScaling
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
@@ -51,7 +52,12 @@ def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
     # an operand's second GEMM takes it column-major (grad_input's weight, grad_weight's
     # input and grad_output.T): the cast lays it out so, no transposed copy afterwards
     column_major = gemm is SECOND_GEMM[operand]
-    return strategy.granularity.cast(hp, scale, dim, dtype, column_major=column_major), scale
+    # a dynamic scale's amax covers hp: no clamp needed (`cast_to_float8_data`)
+    saturate = not isinstance(strategy, DynamicScaling)
+    data = strategy.granularity.cast(
+        hp, scale, dim, dtype, column_major=column_major, saturate=saturate
+    )
+    return data, scale
 
 
 def _t(pair: Pair) -> Pair:
@@ -67,6 +73,16 @@ def _inverse(scale: torch.Tensor, inverses: dict) -> torch.Tensor:
     if entry is None:
         entry = inverses[id(scale)] = (scale, scale.reciprocal())
     return entry[1]
+
+
+def _weight_inverse(weight, inverses: dict) -> dict:
+    """`inverses` with a gathered tensorwise weight's inverse, which its all-gather brought
+    (`formats.tensorwise`): no op per GEMM. Not traced (the record is not part of the graph)."""
+    record = weight._operands if isinstance(weight, Float8Tensor) else None
+    inverse = None if record is None or torch.compiler.is_compiling() else record.inverse
+    if inverse is not None:
+        inverses[id(weight._scale)] = (weight._scale, inverse)
+    return inverses
 
 
 def _gemm(
@@ -116,7 +132,7 @@ class _Float8LinearFn(torch.autograd.Function):
             elif save_input_in_float8:  # blocks: tiles along the token dim, cast from hp
                 saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
-        inverses: dict = {}
+        inverses = _weight_inverse(weight, {})
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, inverses)
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
@@ -132,7 +148,7 @@ class _Float8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
         plan, states = ctx.plan, ctx.states
-        inverses: dict = {}
+        inverses = _weight_inverse(weight, {})
         if x_inv is not None:
             for scale in (x_scale, x_saved_scale):
                 if scale is not None:
@@ -167,7 +183,9 @@ def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastP
     strategy = plan.strategies[(operand, gemm)]
     assert strategy is not None  # a shared cast is a float8 cast
     dim, dtype = CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
-    return strategy.granularity.cast(hp, scale, dim, dtype, column_major=True), scale
+    saturate = not isinstance(strategy, DynamicScaling)  # else the scale's amax was hp's
+    data = strategy.granularity.cast(hp, scale, dim, dtype, column_major=True, saturate=saturate)
+    return data, scale
 
 
 def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:

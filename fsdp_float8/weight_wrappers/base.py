@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
-from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
+from fsdp_float8.core.scaling import DynamicScaling, ScalingStrategy, cast_to_float8_data
 from fsdp_float8.formats import rowwise, tensorwise
 from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.state import WeightState, written_args
@@ -172,9 +172,10 @@ class Float8WeightWrapper(torch.Tensor):
         value-dependent state belongs in the shared `WeightState`)."""
 
     # -- scales computed from the current values ---------------------------------------
-    def stamp_scale(self, scale: torch.Tensor) -> None:
-        """Remember `scale` as computed from the weight's current values."""
-        self._state.stamp_scale(scale)
+    def stamp_scale(self, scale: torch.Tensor, inverse: torch.Tensor | None = None) -> None:
+        """Remember `scale` (and `1 / scale`, when known) as computed from the weight's
+        current values."""
+        self._state.stamp_scale(scale, inverse)
 
     def fresh_stamped_scale(self) -> torch.Tensor | None:
         """The stamped scale while the weight is unchanged since, else None (no sync)."""
@@ -242,18 +243,37 @@ class Float8WeightWrapper(torch.Tensor):
         # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
         # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
         sharded = getattr(module, self.param_name, None)
-        if self.rowwise:
-            scale = self.float8_scale(shard_group(sharded, (self.ROW_SCALE_DIM,), None))
-        else:
-            scale = self.float8_scale(shard_group(sharded, None, mesh))
-        data = cast_to_float8_data(self._tensor, scale, self.float8_dtype)
         emulate, shards = self._cast.emulate, mesh.size()
+        # a dynamic scale's amax covers the shard (its own, or the whole weight's)
+        saturate = not isinstance(self.strategy, DynamicScaling)
         if self.rowwise:
             rowwise.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
+            group = shard_group(sharded, (self.ROW_SCALE_DIM,), None)
+            # the scale comes from the shard's values alone (no collective, so ranks cannot
+            # disagree on whether to run one): the pack is reusable while they stand
+            key = (mesh, tuple(outer_size), "rows")
+            reusable = group is None and isinstance(self.strategy, DynamicScaling)
+            if reusable and (packed := self._state.packed_for(key)) is not None:
+                return packed
+            scale = self.float8_scale(group)
+            data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
             mid = tuple(outer_size[1:-1])
-            return rowwise.RowwiseGather.pack(data, scale, emulate, mid, shards=shards)
-        return tensorwise.pack(data, scale, outer_size, shards, emulate)
+            packed = rowwise.RowwiseGather.pack(data, scale, emulate, mid, shards=shards)
+        else:
+            scale = self.float8_scale(shard_group(sharded, None, mesh))
+            # the float8 step's stamp (fresh: a new tensor per refresh, written by nothing):
+            # the pack is reusable while the values and the stamp stand
+            inverse = self._state.inverse_of(scale)
+            key = (mesh, tuple(outer_size), scale, scale._version)
+            reusable = inverse is not None
+            if reusable and (packed := self._state.packed_for(key)) is not None:
+                return packed
+            data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
+            packed = tensorwise.pack(data, scale, outer_size, shards, emulate, inverse)
+        if reusable:  # backward's re-gather and the next micro-batch's reuse it
+            self._state.remember_pack(key, packed)
+        return packed
 
 
 def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:

@@ -20,14 +20,18 @@ from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 class DynamicFloat8Weight(Float8WeightWrapper):
+    STAMPS_INVERSE = True  # the refresh also stamps 1 / scale (one vector op for all)
+
     @staticmethod
     def stamps_from_amaxes(amaxes, float8_dtype, power_of_2) -> torch.Tensor:
         """What the refresh stamps for weights of this class, from their reduced amaxes
         (one vector op per class and rule): their precomputed scales."""
         return scale_from_amax(amaxes, float8_dtype, power_of_2=power_of_2)
 
-    def set_precomputed_scale(self, scale: torch.Tensor) -> None:
-        self.stamp_scale(scale)
+    def set_precomputed_scale(
+        self, scale: torch.Tensor, inverse: torch.Tensor | None = None
+    ) -> None:
+        self.stamp_scale(scale, inverse)
 
     def needs_refresh(self) -> bool:
         return not self.rowwise and not self.has_fresh_precomputed_scale()

@@ -112,6 +112,8 @@ def nvfp4_cast(config) -> WeightCast:
 class NVFP4FSDPWeight(DynamicFloat8Weight):
     """A high-precision weight whose FSDP2 all-gather sends NVFP4 (module docstring)."""
 
+    STAMPS_INVERSE = False  # its stamp is an amax, not a scale
+
     @staticmethod
     def __new__(cls, tensor, config, state=None, *, cast=None):
         return DynamicFloat8Weight.__new__(

@@ -28,15 +28,20 @@ class WeightState:
     ranks only (uneven sharding), so every rank must reach the same freshness.
     """
 
-    __slots__ = ("generation", "blank", "_scale", "_scale_generation", "_inners")
+    __slots__ = (
+        "generation", "blank", "_scale", "_inverse", "_scale_generation", "_inners", "_packed"
+    )  # fmt: skip
 
     def __init__(self, *, blank: bool = False) -> None:
         self.generation = 0
         self.blank = blank
         self._scale: torch.Tensor | None = None
+        self._inverse: torch.Tensor | None = None  # 1 / _scale, when the stamp brought it
         self._scale_generation = -1
         # id(inner) -> (weakref to it, its _version when registered or stamped)
         self._inners: dict[int, tuple[weakref.ref, int]] = {}
+        # (key, generation, inner versions, packed all-gather inputs): `remember_pack`
+        self._packed: tuple | None = None
 
     def register(self, inner: torch.Tensor) -> None:
         # the entry leaves with the tensor (an alias per forward must not pile up)
@@ -46,10 +51,33 @@ class WeightState:
     def bump(self) -> None:
         self.generation += 1
         self.blank = False
+        self._packed = None  # stale from now on: free it
 
-    def stamp_scale(self, scale: torch.Tensor) -> None:
-        self._scale, self._scale_generation = scale, self.generation
+    def remember_pack(self, key: tuple, packed: object) -> None:
+        """Keep a shard's packed all-gather inputs, valid while the values do not change
+        (the same checks as a stamped scale's) and for the same `key`."""
+        self._packed = (key, self.generation, self._versions(), packed)
+
+    def packed_for(self, key: tuple) -> object | None:
+        """What `remember_pack` kept for `key` if no write happened since, else None."""
+        if self._packed is None:
+            return None
+        k, generation, versions, packed = self._packed
+        same_key = len(k) == len(key) and all(map(_same, k, key))
+        if same_key and generation == self.generation and versions == self._versions():
+            return packed
+        return None
+
+    def _versions(self) -> dict[int, int]:
+        return {k: t._version for k, (ref, _) in self._inners.items() if (t := ref()) is not None}
+
+    def stamp_scale(self, scale: torch.Tensor, inverse: torch.Tensor | None = None) -> None:
+        self._scale, self._inverse, self._scale_generation = scale, inverse, self.generation
         self._refresh_versions()
+
+    def inverse_of(self, scale: torch.Tensor) -> torch.Tensor | None:
+        """The stamped `1 / scale` when `scale` is the stamped scale and came with it."""
+        return self._inverse if scale is self._scale else None
 
     def fresh_scale(self) -> torch.Tensor | None:
         """The stamped scale if no write happened since, else None (host-side, no sync)."""
@@ -69,7 +97,7 @@ class WeightState:
         new.register(inner)
         scale = self.fresh_scale()
         if scale is not None:
-            new.stamp_scale(scale)
+            new.stamp_scale(scale, self._inverse)
         return new
 
     def _refresh_versions(self) -> None:
@@ -79,6 +107,12 @@ class WeightState:
                 del self._inners[key]
             else:
                 self._inners[key] = (ref, inner._version)
+
+
+def _same(a: object, b: object) -> bool:
+    """Objects (tensors, meshes) by identity; plain values (ints, shapes, names) by value."""
+    plain = (int, float, str, tuple)
+    return a is b or (isinstance(a, plain) and isinstance(b, plain) and a == b)
 
 
 _WRITTEN: dict[object, tuple[tuple[int, str, bool], ...]] = {}

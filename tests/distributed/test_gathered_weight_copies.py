@@ -25,14 +25,22 @@ COPIES = {"clone", "copy_", "_to_copy"}
 
 
 class _WeightCopies(TorchDispatchMode):
+    """`count`: float8 writes of a gathered weight's size; `shard_casts`: float8 casts of a
+    weight shard's size (the quantize of a pre-all-gather); `inverses`: reciprocals of a
+    0-d float32 tensor (a tensorwise scale's inverse, what a GEMM multiplies by)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.count = self.shard_casts = self.inverses = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ in COPIES and isinstance(out, torch.Tensor):
             self.count += out.dtype in FLOAT8 and out.numel() == DIM * DIM
+            self.shard_casts += out.dtype in FLOAT8 and out.numel() == DIM * DIM // 2
+        if func.overloadpacket.__name__ == "reciprocal" and isinstance(out, torch.Tensor):
+            # float32: the scale chain's own reciprocal (of the float64 amax) is not one
+            self.inverses += out.dim() == 0 and out.dtype == torch.float32
         return out
 
 
@@ -63,8 +71,9 @@ def test_no_copy_of_a_gathered_weight_before_the_forward_gemm(tmp_path):
 
 def _quantizes(recipe: str, reshard_after_forward: bool, mesh):
     """Per step of 2 (1 micro-batch with reshard_after_forward, else 2): pre-all-gather
-    casts of the first linear's weight and weight-sized float8 writes (grad_input operands
-    built from a gathered weight, both linears); whether every forward saw the same
+    calls for the first linear's weight, float8 casts of a shard (both linears) and
+    weight-sized float8 writes (grad_input operands built from a gathered weight, both
+    linears); whether every forward saw the same
     unsharded data and scale tensors; and whether the grad_input operand's buffers were
     freed with the gathered weight after each step."""
     from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
@@ -84,7 +93,7 @@ def _quantizes(recipe: str, reshard_after_forward: bool, mesh):
         calls[0] += self._state is first._state
         return original(self, mesh, outer_size, outer_stride, module, mp_policy)
 
-    per_step, tensors, copies, freed = [], set(), [], []
+    per_step, tensors, copies, freed, casts, inverses = [], set(), [], [], [], []
     record = model[0].register_forward_pre_hook(  # after FSDP2's: the unsharded weight
         lambda m, args: tensors.add((id(m.weight._data), id(m.weight._scale)))
     )
@@ -103,11 +112,13 @@ def _quantizes(recipe: str, reshard_after_forward: bool, mesh):
             opt.zero_grad()
             per_step.append(calls[0])
             copies.append(counter.count)
+            casts.append(counter.shard_casts)
+            inverses.append(counter.inverses)
             freed.append(_operand_buffers_freed(model[0]))
     finally:
         Float8WeightWrapper.fsdp_pre_all_gather = original  # type: ignore[method-assign]
         record.remove()
-    return per_step, len(tensors) == 1, copies, freed
+    return per_step, casts, inverses, len(tensors) == 1, copies, freed
 
 
 def _operand_buffers_freed(layer) -> bool:
@@ -132,15 +143,25 @@ def _lifecycle_grid(rank: int, world_size: int):
 def test_quantize_once_per_all_gather(tmp_path):
     # reshard_after_forward=True: the forward gathers (1) and the backward re-gathers (1);
     # False, 2 micro-batches with gradient sync and the reshard after backward held back
-    # until the last: 1 gather per step, reused by both. The unsharded weight is refilled
+    # until the last: 1 gather per step, reused by both. The shard is quantized once per
+    # step and linear either way: the re-gather sends the forward's pack again (the values
+    # did not change; a write would have dropped it), except block formats, which
+    # quantize per gather (2 linears: 2 casts per step, MX with raf 4). The unsharded weight is refilled
     # in place: one data and one scale tensor throughout. The grad_input operand is built
     # once per gather and linear (2 per step either way: before, False built it in each
     # micro-batch's backward, 4 per step): tensorwise a column-major copy, rowwise a re-cast
     # along the columns; MX's square blocks serve grad_input as they are (emulated block
     # GEMM: no copy). Its buffers go with the gathered weight at reshard.
     for per_rank in run_distributed(_lifecycle_grid, 2, tmp_path, timeout_s=300):
-        for (recipe, raf), (per_step, same_tensors, copies, freed) in per_rank.items():
+        for (recipe, raf), result in per_rank.items():
+            per_step, casts, inverses, same_tensors, copies, freed = result
             assert per_step == ([2, 2] if raf else [1, 1]), (recipe, raf, per_step)
+            assert casts == ([4, 4] if raf and recipe == "mxfp8" else [2, 2]), (recipe, casts)
+            if recipe == "tensorwise":  # 0-d 1 / scale: x's and grad_output's per
+                # micro-batch and linear; none for the weights (the refresh inverts all their
+                # scales in one vector op, and the all-gather brings them)
+                expected = 2 * 2 * (1 if raf else 2)
+                assert inverses == [expected] * 2, (raf, inverses)
             assert same_tensors, (recipe, raf)
             assert copies == ([0, 0] if recipe == "mxfp8" else [2, 2]), (recipe, raf, copies)
             assert freed == [True, True], (recipe, raf)

@@ -7,6 +7,10 @@ paths include writes into `model.state_dict()` tensors and a `dcp.load` into the
 rollback): the state dict holds a DTensor over the weight's inner tensor, whose writes the
 wrapper must see. An optimizer step is followed by the float8 step's own refresh (the
 scale is fresh again, from the new values); every other path leaves it stale.
+
+The shard a forward packed for the all-gather is reused by the next all-gather while the
+values stand (backward's re-gather, the next micro-batch): the rowwise test runs every path
+after a forward that packed, so a pack kept across a write would show as a stale output.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from fsdp_float8.weight_wrappers.base import plain_weight
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
 CONFIG = Float8LinearConfig.tensorwise(enable_fsdp_float8_all_gather=True)
+ROWWISE = Float8LinearConfig.from_recipe_name("rowwise", enable_fsdp_float8_all_gather=True)
 
 
-def _build(mesh, device="cpu") -> nn.Module:
+def _build(mesh, device="cpu", config=CONFIG) -> nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         model = nn.Sequential(nn.Linear(32, 32, bias=False))
-    convert_to_float8_training(model, config=CONFIG)
+    convert_to_float8_training(model, config=config)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -135,3 +140,21 @@ def test_no_stale_precomputed_scale_after_any_mutation(tmp_path):
         if fresh != (name in REFRESHED_BY_THE_STEP) or not sqnr >= SQNR_DB["linear_output"]
     }
     assert not bad, f"(still fresh, output SQNR dB) after each path: {bad}"
+
+
+def _rowwise_paths(rank, world_size):
+    mesh = cpu_mesh(world_size)
+    results = {}
+    for name, mutate in PATHS.items():
+        model = _build(mesh, config=ROWWISE)
+        model(torch.randn(2, 32)).sum().backward()  # packs the shard, kept for reuse
+        model.zero_grad()
+        mutate(model)
+        results[name] = _output_sqnr(model)[1]
+    return results
+
+
+def test_no_stale_rowwise_pack_after_any_mutation(tmp_path):
+    results = run_distributed(_rowwise_paths, 1, tmp_path, timeout_s=120)[0]
+    bad = {name: round(s, 1) for name, s in results.items() if not s >= SQNR_DB["linear_output"]}
+    assert not bad, f"output SQNR dB after each path: {bad}"

@@ -105,6 +105,47 @@ def test_amax_to_scale_is_fp8_max_over_amax_in_float64(dtype) -> None:
     torch.testing.assert_close(amax_to_scale(amax, dtype), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("amax_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(), (4096,), (4096, 1), (1, 4096)])
+def test_amax_to_scale_equals_the_float64_formula_bit_for_bit(shape, amax_dtype) -> None:
+    # every amax rank and dtype the casts hand in (0-d tensorwise, (M, 1) / (1, N) per row
+    # or column, a vector of weight amaxes), over 27 binades, against torchao's formula
+    g = torch.Generator().manual_seed(3)
+    amax = torch.rand(shape, generator=g) * 10.0 ** torch.randint(-24, 4, shape, generator=g)
+    amax = amax.to(amax_dtype)
+    floor = float8_max(E4M3) / MAX_SCALE
+    want = (float8_max(E4M3) / amax.to(torch.float64).clamp(min=floor)).to(torch.float32)
+    got = amax_to_scale(amax, E4M3)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("power_of_2", [False, True])
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
+def test_a_dynamic_scale_needs_no_clamp(dtype, hp_dtype, power_of_2) -> None:
+    # with the scale of the tensor's own amax (per tensor, per row, per column) the cast
+    # without the clamp writes the same bytes: values over 40 binades, zeros, subnormals,
+    # an all-zero row, an amax below the scale floor
+    g = torch.Generator().manual_seed(5)
+    hp = torch.randn(64, 96, generator=g) * 10.0 ** torch.randint(-20, 20, (64, 96), generator=g)
+    hp[3] = 0.0
+    hp[5] = torch.finfo(torch.float32).tiny / 8  # subnormal (float32); 0 in bfloat16
+    hp[7, :3] = torch.tensor([1e-45, -3e38, 3e38])
+    hp = hp.to(hp_dtype)
+    for dims in [None, 1, 0]:
+        amax = hp.abs().amax() if dims is None else hp.abs().amax(dim=dims, keepdim=True)
+        scale = amax_to_scale(amax, dtype, power_of_2=power_of_2)
+        # the claim itself: |hp * scale| exceeds fp8_max by float32 rounding at most (the
+        # conversion rounds such a value to fp8_max; it would round a few % more so too)
+        assert (hp.float() * scale).abs().max() <= float8_max(dtype) * (1 + 2.0**-22)
+        for column_major in (False, True):
+            kw = dict(column_major=column_major)
+            clamped = cast_to_float8_data(hp, scale, dtype, **kw)
+            unclamped = cast_to_float8_data(hp, scale, dtype, saturate=False, **kw)
+            assert torch.equal(clamped.view(torch.uint8), unclamped.view(torch.uint8)), dims
+
+
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=DTYPE_IDS.get)
 def test_power_of_2_scales_are_exact_powers_of_two(dtype) -> None:
     g = torch.Generator().manual_seed(1)
