@@ -3,7 +3,7 @@
 Scale math (the house rule): amax in float32, floored at `fp8_max / MAX_SCALE`,
 `fp8_max / amax` divided in float64 (so eager and torch.compile agree bit for bit),
 optionally rounded down to a power of two, then stored as float32. Casting multiplies by
-the scale and saturates at fp8_max.
+the scale and saturates at fp8_max (no clamp where the scale's own amax makes it a no-op).
 
 The floor. `MAX_SCALE = 2^126` is the largest scale whose inverse (what the GEMM multiplies
 by) is a normal float32, and exactly an e8m0 factor; torchao's MX casts stop at the same
@@ -62,7 +62,7 @@ def amax_to_scale(
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, the same numbers in 4 ops: a float64 floor of the amax's rank promotes the
         # clamp to float64 (a 0-d one would not promote an amax with dims)
-        amax64 = torch.clamp(amax, min=_float64_constant(floor, amax.dim(), amax.device))
+        amax64 = torch.clamp(amax, min=constant(floor, torch.float64, amax.device, amax.dim()))
     else:  # traced (fused either way): no tensor constant in the graph
         amax64 = amax.to(torch.float64).clamp(min=floor)
     scale = (fmax / amax64).to(torch.float32)  # `fmax / t` is t.reciprocal() * fmax
@@ -71,16 +71,17 @@ def amax_to_scale(
     return scale
 
 
-_CONSTANTS: dict[tuple[float, int, torch.device], torch.Tensor] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
-def _float64_constant(value: float, dims: int, device: torch.device) -> torch.Tensor:
-    """A float64 tensor of `dims` size-1 dims holding `value`, made once per device."""
-    const = _CONSTANTS.get((value, dims, device))
+def constant(value: float, dtype: torch.dtype, device, dims: int = 0) -> torch.Tensor:
+    """`value` as a tensor of `dims` size-1 dims, made once per (value, dtype, device, dims):
+    no op, and on CUDA no pageable host-to-device copy, per use. Shared and read-only."""
+    key = (float(value), dtype, torch.device(device), dims)
+    const = _CONSTANTS.get(key)
     if const is None:
-        with torch.inference_mode(False), torch.no_grad():
-            const = torch.full((1,) * dims, value, dtype=torch.float64, device=device)
-        _CONSTANTS[(value, dims, device)] = const
+        with torch.inference_mode(False), torch.no_grad():  # usable by autograd later
+            const = _CONSTANTS[key] = torch.full((1,) * dims, key[0], dtype=dtype, device=key[2])
     return const
 
 
@@ -419,19 +420,8 @@ class StaticScaling:
         return static_scale_tensor(self.scale_value, hp.device)
 
 
-_STATIC_SCALES: dict[tuple[float, torch.device], torch.Tensor] = {}
-
-
 def static_scale_tensor(value: float, device: torch.device) -> torch.Tensor:
-    """A static scale as a 0-d float32 tensor on `device`, made once per (value, device):
-    `torch.tensor(python_float, device="cuda")` on every cast would be a pageable
-    host-to-device copy each time. Shared and read-only: never write into it."""
+    """A static scale as a 0-d float32 tensor on `device` (`constant`): never write into it."""
     if torch.compiler.is_compiling():  # a constant of the graph
         return torch.tensor(value, dtype=torch.float32, device=device)
-    key = (float(value), torch.device(device))
-    scale = _STATIC_SCALES.get(key)
-    if scale is None:
-        with torch.inference_mode(False), torch.no_grad():  # usable by autograd later
-            scale = torch.tensor(key[0], dtype=torch.float32, device=key[1])
-        _STATIC_SCALES[key] = scale
-    return scale
+    return constant(value, torch.float32, device)
