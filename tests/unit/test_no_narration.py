@@ -10,9 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("fsdp_float8", "f8train", "tests", "docs", "scripts")
 SUFFIXES = {".py", ".md", ".sh", ".sbatch", ".toml"}
+# the words are spelt with character classes here (and the examples below joined from
+# parts), so this file carries none of the phrases it looks for
 NARRATION = re.compile(
-    r"\bissue \d+|\(issue\b|the issue's|\bthis (session|round)\b|\bround \d+\b|was lent"
-    r"|no GPU was|never run (here|so far|in this)|not yet run|\bNEVER RUN\b",
+    r"\bissu[e] \d+|\(issu[e]\b|the issu[e]'s|\bthis (s[e]ssion|r[o]und)\b|\br[o]und \d+\b"
+    r"|was l[e]nt|no GPU w[a]s|never r[u]n (here|so far|in this)|not y[e]t run|\bNEVER R[U]N\b",
     re.IGNORECASE,
 )
 
@@ -30,7 +32,9 @@ def test_no_text_narrates_how_the_project_was_made():
 
 
 def test_the_pattern_finds_what_it_is_for():
-    for text in ("(issue 11 item 6)", "not yet run (no GPU was lent)", "this round alike"):
+    examples = ["(issu" + "e 11 item 6)", "not ye" + "t run (no GPU wa" + "s le" + "nt)"]
+    examples += ["this ro" + "und alike", "this se" + "ssion alike"]
+    for text in examples:
         assert NARRATION.search(text), text
     for text in ("the collective it issues", "round to nearest", "a helper function"):
         assert not NARRATION.search(text), text
