@@ -29,7 +29,7 @@ from fsdp_float8.core.config_fields import (
     filled,
     mark_filled,
 )
-from fsdp_float8.core.config_rules import check_cast_pairs, check_no_e5m2_pair
+from fsdp_float8.core.config_rules import check_cast_pairs, check_no_e5m2_pair, check_static_scale
 from fsdp_float8.core.gemms import (
     OPERAND_GEMMS,
     OPERANDS,
@@ -89,7 +89,7 @@ class CastConfig:
         static = self.scaling_type is ScalingType.STATIC
         if static:
             dtypes = (self.target_dtype,) if self.target_dtype else (E4M3, E5M2)
-            scaling.check_static_scale(self.static_scale, dtypes)
+            check_static_scale(self.static_scale, dtypes)
         if not static and self.static_scale is not None:
             raise Float8ConfigError(
                 f"static_scale={self.static_scale} is only used with scaling_type=static, "

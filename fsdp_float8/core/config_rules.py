@@ -5,7 +5,8 @@ construction, each raising ValueError naming the values and the remedy:
 - delayed and static scaling keep one scale per operand, so its two uses share the type;
 - a float8 all-gathered weight serves both weight GEMMs (one cast, or a re-cast of rows);
 - a float8 input saved for grad_weight is cast alike for output and grad_weight;
-- CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated).
+- CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated);
+- a static scale keeps fp8_max / scale and 1 / scale finite normal float32s.
 
 Works on the resolved casts (`(Operand, Gemm)` -> CastConfig, target dtypes filled in) and
 on the words' string values, as `config_blocks` does, so it imports nothing from config.py,
@@ -14,6 +15,7 @@ which imports it; the topology comes from `fsdp_float8.core.gemms`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from fsdp_float8.core.config_blocks import check_block_all_gather
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
+from fsdp_float8.core.scaling import float8_max
 
 Casts = dict[tuple[Operand, Gemm], Any]  # the CastConfig of each (operand, GEMM)
 
@@ -117,3 +120,24 @@ def check_no_e5m2_pair(casts: Casts) -> None:
                 "them float8_e4m3fn (CastConfig(target_dtype=torch.float8_e4m3fn)), or set "
                 "emulate=True"
             )
+
+
+def check_static_scale(scale: float | None, dtypes: tuple[torch.dtype, ...]) -> None:
+    """A user-given static scale must be finite and > 0, with fp8_max / scale (the largest
+    hp value the cast keeps) a finite float32 and 1 / scale (what the GEMM multiplies by)
+    not underflowing float32, or outputs come out NaN or all zero."""
+    if scale is None or not scale > 0 or not math.isfinite(scale):
+        raise ValueError(
+            f"static scaling needs a finite static_scale > 0, got {scale!r}; pass "
+            "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
+        )
+    f32 = torch.finfo(torch.float32)
+    lo = max(float8_max(d) for d in dtypes) / f32.max
+    hi = 1 / f32.tiny
+    if not lo <= scale <= hi:
+        raise ValueError(
+            f"static_scale={scale!r} is outside [{lo:.3g}, {hi:.3g}]: fp8_max / "
+            "static_scale must be a finite float32 and 1 / static_scale must not "
+            "underflow. The scale multiplies values into float8 range: pass fp8_max / "
+            "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
+        )

@@ -6,14 +6,12 @@ optionally rounded down to a power of two, then stored as float32. Casting multi
 the scale and saturates at fp8_max (no clamp where the scale's own amax makes it a no-op).
 
 The floor. `MAX_SCALE = 2^126` is the largest scale whose inverse (what the GEMM multiplies
-by) is a normal float32, and exactly an e8m0 factor; torchao's MX casts stop at the same
-2^-126. A fixed amax floor (torchao's float8 EPS, 1e-12) would instead cap the scale at
-fp8_max / 1e-12 and flush every value below ~1e-15 (e4m3) to zero: a grad_output of 1e-20
-would give all-zero gradients. With this floor a tensor, row or block keeps its float8
-precision for any amax in float32's normal range; only an amax below fp8_max / 2^126 (e4m3
-5.3e-36, e5m2 6.7e-34) is cast with fewer bits, and its elements below 2^-126 times the
-smallest float8 subnormal (float32 subnormals themselves) become zero. An amax of 0 gives
-`MAX_SCALE` (all-zero data). Amaxes of 1e-12 and above give torchao's scales bit for bit.
+by) is a normal float32, and exactly an e8m0 factor (torchao's MX casts stop there too). A
+fixed amax floor (torchao's float8 EPS, 1e-12) would flush every value below ~1e-15 (e4m3)
+to zero: a grad_output of 1e-20 would give all-zero gradients. With this floor any amax in
+float32's normal range keeps float8 precision; only an amax below fp8_max / 2^126 (e4m3
+5.3e-36) is cast with fewer bits. An amax of 0 gives `MAX_SCALE` (all-zero data). Amaxes of
+1e-12 and above give torchao's scales bit for bit.
 
 Granularity says what one scale covers: `Tensorwise` (one 0-d scale), `Axiswise` (one
 scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts)
@@ -26,20 +24,17 @@ Strategies say where the scale comes from:
   home of that state); the current amax is recorded for the next sync.
 - `StaticScaling`: a fixed user-given number.
 
-The scale path, one for every caller (linears, weight all-gathers, tensor parallelism,
-experts, the float8 reduce-scatter, delayed scaling, the float8 step): amax
-(`Granularity.amax`) -> optionally MAX-reduced over a group (`amax_sync`; a dynamic
-strategy's `group`, set by tensor parallelism, or the group a caller passes) -> scale
-(`amax_to_scale`, with the strategy's dtype and power-of-two rule). A strategy is the one
-owner of the power-of-two flag (`Float8LinearConfig.strategy` sets it): callers that hold an
-amax already (a batched reduction, a history) ask `strategy.scale_from_amax`.
+The scale path, one for every caller: amax (`Granularity.amax`) -> optionally MAX-reduced
+over a group (`amax_sync`: a dynamic strategy's `group`, or the caller's) -> scale
+(`amax_to_scale`, with the strategy's power-of-two rule, which a strategy alone owns):
+callers that hold an amax already (a batched reduction, a history) ask
+`strategy.scale_from_amax`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -60,8 +55,7 @@ def amax_to_scale(
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
     fmax, floor = float8_max(float8_dtype), float8_max(float8_dtype) / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
-        # eager, the same numbers in 4 ops: a float64 floor of the amax's rank promotes the
-        # clamp to float64 (a 0-d one would not promote an amax with dims)
+        # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
         amax64 = torch.clamp(amax, min=constant(floor, torch.float64, amax.device, amax.dim()))
     else:  # traced (fused either way): no tensor constant in the graph
         amax64 = amax.to(torch.float64).clamp(min=floor)
@@ -113,10 +107,9 @@ def cast_to_float8_data(
 ) -> torch.Tensor:
     """Saturating cast: clamp(hp * scale) to the float8 range, then convert.
 
-    `saturate=False` (the scale comes from an amax that covers every value of `hp`: dynamic
-    scaling) skips the clamp, a pass over a float32 copy: |hp * scale| is then at most
-    fp8_max up to the product's float32 rounding, which the conversion rounds to fp8_max,
-    so the bytes are the same.
+    `saturate=False` (the scale's amax covers `hp`: `ScalingStrategy.own_amax`) skips the
+    clamp: |hp * scale| <= fp8_max up to float32 rounding, which the conversion rounds to
+    fp8_max, so the bytes are the same.
 
     Out of place: selective activation checkpointing may save any op's output (a
     save-everything policy does) and refuses one mutated afterwards; under torch.compile it
@@ -140,10 +133,8 @@ def cast_to_float8_data(
 
 
 # amax = max |x|, the one home of the reduction: abs, then max, in the tensor's own dtype
-# (the max of bf16 values is exact), then float32. Two ops eager, one fused reduction
-# under torch.compile (the abs never reaches memory there). `linalg.vector_norm(inf)` is
-# one op but runs 10-40x slower on CPU (`f8train/bench_cast.py --cases
-# amax,amax_vector_norm`); aminmax/amin+amax then abs and maximum of both ends is 4-5 ops.
+# (exact), then float32; one fused reduction compiled. `linalg.vector_norm(inf)` is one op
+# but 10-40x slower on CPU (results.md); aminmax and the like are 4-5 ops.
 
 
 def tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
@@ -321,6 +312,10 @@ class AmaxRecord(Protocol):
 
 
 class ScalingStrategy(Protocol):
+    # the scale comes from the amax of the very values it casts: they need no clamp
+    # (`cast_to_float8_data`), and a cast is reusable while they stand
+    own_amax: ClassVar[bool]
+
     @property
     def granularity(self) -> Granularity: ...
 
@@ -342,6 +337,7 @@ class DynamicScaling:
     granularity: Granularity = Tensorwise()
     power_of_2: bool = False
     group: Group = None
+    own_amax: ClassVar[bool] = True
 
     def scale(self, hp, dim, float8_dtype, state=None):
         # without a reduction, the amax in hp's dtype (exact): one conversion fewer
@@ -370,6 +366,7 @@ class DelayedScaling:
     scale_fn_name: str = "max"
     power_of_2: bool = False
     granularity: Granularity = Tensorwise()
+    own_amax: ClassVar[bool] = False
 
     def scale(self, hp, dim, float8_dtype, state=None):
         if state is None:
@@ -386,31 +383,11 @@ class DelayedScaling:
         return scale_from_amax(amax, float8_dtype, power_of_2=self.power_of_2, group=group)
 
 
-def check_static_scale(scale: float | None, dtypes: tuple[torch.dtype, ...]) -> None:
-    """A user-given static scale must be finite and > 0, with fp8_max / scale (the largest
-    hp value the cast keeps) a finite float32 and 1 / scale (what the GEMM multiplies by)
-    not underflowing float32, or outputs come out NaN or all zero."""
-    if scale is None or not scale > 0 or not math.isfinite(scale):
-        raise ValueError(
-            f"static scaling needs a finite static_scale > 0, got {scale!r}; pass "
-            "CastConfig(scaling_type='static', static_scale=<fp8_max / expected amax>)"
-        )
-    f32 = torch.finfo(torch.float32)
-    lo = max(float8_max(d) for d in dtypes) / f32.max
-    hi = 1 / f32.tiny
-    if not lo <= scale <= hi:
-        raise ValueError(
-            f"static_scale={scale!r} is outside [{lo:.3g}, {hi:.3g}]: fp8_max / "
-            "static_scale must be a finite float32 and 1 / static_scale must not "
-            "underflow. The scale multiplies values into float8 range: pass fp8_max / "
-            "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
-        )
-
-
 @dataclass(frozen=True)
 class StaticScaling:
     scale_value: float = 1.0
     granularity: Granularity = Tensorwise()
+    own_amax: ClassVar[bool] = False
 
     def __init__(self, scale: float, granularity: Granularity = Tensorwise()):
         object.__setattr__(self, "scale_value", float(scale))

@@ -30,14 +30,13 @@ from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.core.gemms import (
     CONTRACTION_DIM,
-    OPERANDS,
     PRIMARY_GEMM,
     SECOND_GEMM,
     Gemm,
     Operand,
 )
-from fsdp_float8.core.scaling import DynamicScaling
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
+from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
 
@@ -52,8 +51,7 @@ def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
     # an operand's second GEMM takes it column-major (grad_input's weight, grad_weight's
     # input and grad_output.T): the cast lays it out so, no transposed copy afterwards
     column_major = gemm is SECOND_GEMM[operand]
-    # a dynamic scale's amax covers hp: no clamp needed (`cast_to_float8_data`)
-    saturate = not isinstance(strategy, DynamicScaling)
+    saturate = not strategy.own_amax  # else the scale's amax covers hp: no clamp needed
     data = strategy.granularity.cast(
         hp, scale, dim, dtype, column_major=column_major, saturate=saturate
     )
@@ -183,7 +181,7 @@ def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastP
     strategy = plan.strategies[(operand, gemm)]
     assert strategy is not None  # a shared cast is a float8 cast
     dim, dtype = CONTRACTION_DIM[(gemm, operand)], plan.dtypes[(operand, gemm)]
-    saturate = not isinstance(strategy, DynamicScaling)  # else the scale's amax was hp's
+    saturate = not strategy.own_amax  # else the forward's amax was hp's
     data = strategy.granularity.cast(hp, scale, dim, dtype, column_major=True, saturate=saturate)
     return data, scale
 
@@ -202,23 +200,6 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
         "module filter skips it), or use dims that are multiples of 16 (emulate=True runs "
         "any dims, with float32 GEMMs)"
     )
-
-
-# torchao's short words (`i:dyn_ten_e4m3`), and this package's for what torchao lacks
-_GRANULARITY_WORD = {"tensorwise": "ten", "axiswise": "axs", "blockwise": "blk"}
-
-
-def _short(cfg) -> str:
-    """One cast as torchao writes it, scaling_granularity_dtype: dyn_ten_e4m3,
-    dis_ten_e4m3, dyn_axs_e4m3; delayed and static are del_ / sta_; a block cast adds its
-    block shape (dyn_blk1x128_e4m3) and an e8m0 scale dtype (..._e8m0scale)."""
-    gran = _GRANULARITY_WORD[cfg.scaling_granularity.value]
-    if cfg.block_shape is not None:
-        gran += f"{cfg.block_shape[0]}x{cfg.block_shape[1]}"
-    text = f"{cfg.scaling_type.value[:3]}_{gran}_{_dtype_name(cfg.target_dtype)}"
-    if cfg.scale_dtype != torch.float32:
-        text += f"_{_dtype_name(cfg.scale_dtype)}scale"
-    return text
 
 
 class Float8Linear(nn.Linear):
@@ -311,21 +292,10 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         """torchao's: `..., cast_configs=i:dyn_ten_e4m3,w:dyn_ten_e4m3,go:dyn_ten_e5m2`,
-        then i_gw / w_gi / go_gw for a second use cast otherwise (see `_short`)."""
+        then i_gw / w_gi / go_gw for a second use cast otherwise (`cast_words`)."""
         c = self.config
-        firsts = [f"{_OPERAND_WORD[op]}:{_short(c.cast(op, PRIMARY_GEMM[op]))}" for op in OPERANDS]
-        seconds = [
-            f"{_OPERAND_WORD[op]}_{_GEMM_WORD[SECOND_GEMM[op]]}:{_short(c.cast(op, SECOND_GEMM[op]))}"
-            for op in OPERANDS
-            if c.cast(op, SECOND_GEMM[op]) != c.cast(op, PRIMARY_GEMM[op])
-        ]
         fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
-        return f"{super().extra_repr()}, cast_configs={','.join(firsts + seconds)}{fsdp}"
-
-
-# the short names of torchao's repr: operands i, w, go; second GEMMs gw, gi
-_OPERAND_WORD = {Operand.INPUT: "i", Operand.WEIGHT: "w", Operand.GRAD_OUTPUT: "go"}
-_GEMM_WORD = {Gemm.GRAD_WEIGHT: "gw", Gemm.GRAD_INPUT: "gi"}
+        return f"{super().extra_repr()}, cast_configs={cast_configs(c)}{fsdp}"
 
 
 def _local_parameters(module: Float8Linear, x: torch.Tensor):
@@ -402,13 +372,3 @@ def _require_float8_weight(weight) -> None:
             "assign weights with load_state_dict (the wrapper is kept) or call "
             "layer.wrap_weight_for_fsdp() after replacing the weight, before fully_shard"
         )
-
-
-_DTYPE_WORD = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.float8_e8m0fnu: "e8m0"}
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    """torchao's words for the float8 dtypes (e4m3, e5m2); others by their torch name."""
-    if dtype in _DTYPE_WORD:
-        return _DTYPE_WORD[dtype]
-    return str(dtype).removeprefix("torch.float8_")

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
-from fsdp_float8.core.scaling import DynamicScaling, ScalingStrategy, cast_to_float8_data
+from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.formats import rowwise, tensorwise
 from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.state import WeightState, written_args
@@ -245,14 +245,14 @@ class Float8WeightWrapper(torch.Tensor):
         sharded = getattr(module, self.param_name, None)
         emulate, shards = self._cast.emulate, mesh.size()
         # a dynamic scale's amax covers the shard (its own, or the whole weight's)
-        saturate = not isinstance(self.strategy, DynamicScaling)
+        saturate = not self.strategy.own_amax
         if self.rowwise:
             rowwise.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
             group = shard_group(sharded, (self.ROW_SCALE_DIM,), None)
             # the scale comes from the shard's values alone (no collective, so ranks cannot
             # disagree on whether to run one): the pack is reusable while they stand
             key = (mesh, tuple(outer_size), "rows")
-            reusable = group is None and isinstance(self.strategy, DynamicScaling)
+            reusable = group is None and self.strategy.own_amax
             if reusable and (packed := self._state.packed_for(key)) is not None:
                 return packed
             scale = self.float8_scale(group)
