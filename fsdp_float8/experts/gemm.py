@@ -26,7 +26,7 @@ from typing import Self
 
 import torch
 
-from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast, weight_for
+from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
@@ -36,6 +36,7 @@ from fsdp_float8.experts.grouped_mm import (
     grouped_scaled_mm,
     per_row,
 )
+from fsdp_float8.formats.weight_operands import weight_for
 
 GROUPS = "groups"  # the grad_weight operands: per expert, along its tokens
 # the dim each cast reduces over: the linear's (`CONTRACTION_DIM`) counted from the end,
@@ -95,7 +96,7 @@ def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: CastPlan, offs) -> Pa
 
 
 def expert_weight_for(weight, gemm: Gemm, plan: CastPlan, offs) -> Pair:
-    """The weight (E, N, K) cast for `gemm` (`cast_plan.weight_for`: a gathered Float8Tensor
+    """The weight (E, N, K) cast for `gemm` (`formats.weight_operands.weight_for`: a gathered Float8Tensor
     as it is for output, its rows re-cast along `out` for grad_input when rowwise)."""
     return weight_for(weight, gemm, plan, cast_expert_operand, offs)
 

@@ -10,7 +10,9 @@ e8m0 for MX: 1 byte each), flattened and laid over the rows, `c = ceil(scale byt
 rows)`; for a (4096, 4096) weight over 8 ranks that is 128x128: 1 byte a row, MX 32x32: 4
 bytes a row, exactly the scales. One input, because at shard size 1 FSDP2 hands the
 post-hook only the first. Square blocks are transpose-invariant: the gathered weight serves
-both weight GEMMs as it is, never re-cast.
+both weight GEMMs, never re-cast (`operand_kind`, `build_operand`): as it is for the
+emulated GEMM, which takes any layout; for the CUDA GEMM grad_input gets a column-major
+copy and MX weights their e8m0 scales swizzled as that GEMM takes them, once per unshard.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.payload import PayloadLayout
+from fsdp_float8.core.gemms import Gemm, Operand
+from fsdp_float8.core.payload import E8M0, PayloadLayout
+from fsdp_float8.formats import rowwise
+from fsdp_float8.formats.operands import AS_IS, CACHED, Pair, column_major
 from fsdp_float8.formats.tensorwise import attach_operands, refilled, unsharded
 
 NEEDS_GLOBAL_AMAX = False
@@ -92,3 +98,49 @@ class BlockGather:
         out = unsharded(out, outputs[0])
         out._scale.copy_(scale)
         refilled(out)
+
+
+def operand_kind(weight: Float8Tensor, gemm: Gemm, plan: CastPlan) -> str:
+    if gemm is Gemm.OUTPUT:
+        return CACHED if _mx_on_cuda(weight, plan) else AS_IS
+    if not plan.shared(Operand.WEIGHT):  # grad_input cast otherwise: from the rows
+        return rowwise.operand_kind(weight, gemm, plan)
+    # the emulated block GEMM takes any layout; a 3-D expert weight, its grouped GEMM's
+    emulated = plan.emulate or not weight.is_cuda
+    return AS_IS if emulated or weight._data.dim() != 2 else CACHED
+
+
+def build_operand(
+    weight: Float8Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, context, out: Pair | None
+) -> tuple[Pair, tuple[torch.Tensor, ...]]:
+    """The CUDA GEMM's operand, into `out`'s buffers when given: grad_input's column-major;
+    an MX weight's scales e8m0 and swizzled as the right operand of either GEMM."""
+    if gemm is Gemm.GRAD_INPUT and not plan.shared(Operand.WEIGHT):
+        return rowwise.build_operand(weight, gemm, plan, cast, context, out)
+    data, scale = weight._data, weight._scale
+    new: tuple[torch.Tensor, ...] = ()
+    if gemm is Gemm.GRAD_INPUT:  # the weight is the right operand: column-major
+        data, new = column_major(data, None if out is None else out[0])
+    if not _mx_on_cuda(weight, plan):
+        return (data, scale), new
+    from fsdp_float8.core.blocks_cuda import swizzled_right_scale
+
+    # the right operand's scale: W.t()'s for the output GEMM, W's for grad_input
+    right = scale.t() if gemm is Gemm.OUTPUT else scale
+    n = data.shape[0] if gemm is Gemm.OUTPUT else data.shape[1]
+    swizzled = swizzled_right_scale(right, plan.blocks[gemm][1], n)
+    if out is None:
+        return (data, swizzled), (*new, swizzled)
+    assert out[1] is not None
+    out[1].copy_(swizzled)
+    return (data, out[1]), new
+
+
+def _mx_on_cuda(weight: Float8Tensor, plan: CastPlan) -> bool:
+    """An MX weight for the CUDA GEMM, which takes its e8m0 scales swizzled."""
+    return (
+        weight._block is not None
+        and weight.is_cuda
+        and not plan.emulate
+        and plan.scale_dtypes[Gemm.OUTPUT] == E8M0
+    )

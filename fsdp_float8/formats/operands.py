@@ -4,7 +4,8 @@ Mental model. FSDP2 all-gathers a weight's float8 shards into one unsharded `Flo
 whose data is already the output GEMM's operand (a row-major (N, K) weight is the
 column-major (K, N) operand that GEMM takes). The grad_input GEMM contracts over the other
 dim and wants the weight the other way round: column-major (N, K), and for per-row scales a
-re-cast along the columns (`fsdp_float8.core.cast_plan.gathered_grad_input`). That operand is
+re-cast along the columns. Each format module says how its weight becomes each GEMM's
+operand (`operand_kind`, `build_operand`; `weight_operands.weight_for` asks). That operand is
 built at its first use after an all-gather and reused until the next one: by every backward
 that runs while the weight stays unsharded (`reshard_after_forward=False`, micro-batches
 with the reshard after backward held back). Activation-checkpoint recompute re-runs only the
@@ -17,7 +18,7 @@ rows plus float8 columns, the two bytes per element of a bf16-gathered weight).
 
 Under torch.compile the record is not part of the traced tensor (`Float8Tensor`'s
 flattening carries data and scale only): the graph builds the operand itself, with the same
-values (`core.cast_plan.weight_for`).
+values (`formats.weight_operands.weight_for`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]
+
+# how a gathered weight becomes a GEMM's operand (a format's `operand_kind`): its data and
+# scale as they are; an operand built once per unshard (`build_operand`, kept in
+# `GatheredOperands`); or a cast built at each use (`build_operand`, kept nowhere)
+AS_IS, CACHED, CAST = "as_is", "cached", "cast"
 # build(previous operand or None) -> (operand, buffers it newly allocated): the previous
 # operand's tensors are the buffers to write into (FSDP2 re-allocated them)
 Build = Callable[[Pair | None], tuple[Pair, tuple[torch.Tensor, ...]]]
@@ -70,3 +76,18 @@ class GatheredOperands:
         self._fresh.add(gemm)
         self.builds += 1
         return operand
+
+
+def column_major(data: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
+    """An (N, K) weight's data copied column-major (the right operand of grad_input), into
+    `out` (the previous unshard's copy) when given: (copy, buffers newly allocated)."""
+    columns = out.t() if out is not None else empty_t(data)
+    columns.copy_(data.t())
+    return columns.t(), (() if out is not None else (columns,))
+
+
+def empty_t(data: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A row-major (K, N) buffer for an (N, K) weight's column-major copy."""
+    return torch.empty(
+        (data.shape[1], data.shape[0]), dtype=dtype or data.dtype, device=data.device
+    )

@@ -8,7 +8,7 @@ Pack: the float8 bytes only, as one `uint8` input (gloo rejects float8 dtypes). 
 the same on every rank, travels as metadata: under uneven sharding FSDP2 demands every input
 at exactly the padded shard size, which leaves the data no room for it. The gathered data
 serves both weight GEMMs (a tensorwise scale is the same whichever dim is contracted):
-grad_input gets a column-major copy, never a re-cast (`operands`). The unsharded weight
+grad_input gets a column-major copy, never a re-cast (`operand_kind`, `build_operand`). The unsharded weight
 keeps its scale and the scale's inverse (what both GEMMs multiply by) side by side in one
 2-element tensor of its own: written by one op per all-gather, read by no op per GEMM.
 """
@@ -21,10 +21,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.formats.operands import GatheredOperands
+from fsdp_float8.core.gemms import Gemm
+from fsdp_float8.formats.operands import AS_IS, CACHED, GatheredOperands, Pair, column_major
 
 NEEDS_GLOBAL_AMAX = True
+
+
+def operand_kind(weight: Float8Tensor, gemm: Gemm, plan: CastPlan) -> str:
+    """The output GEMM and a 3-D expert weight's grouped GEMMs take the gathered data as it
+    is; grad_input of a 2-D weight its column-major copy, built once per unshard."""
+    return AS_IS if gemm is Gemm.OUTPUT or weight._data.dim() != 2 else CACHED
+
+
+def build_operand(
+    weight: Float8Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, context, out: Pair | None
+) -> tuple[Pair, tuple[torch.Tensor, ...]]:
+    """grad_input's operand: the same float8 bytes and scale, column-major."""
+    data, new = column_major(weight._data, None if out is None else out[0])
+    return (data, weight._scale), new
 
 
 def read_here(scale: torch.Tensor) -> None:
@@ -53,11 +69,10 @@ def unsharded(out, gathered: torch.Tensor) -> Float8Tensor:
 def attach_operands(
     weight: Float8Tensor, inner: list[torch.Tensor], scales: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
-    """Give a freshly built unsharded 2-D weight its once-per-unshard operands record;
-    `inner` (the tensors FSDP2 frees and refills) is the list the record extends;
-    `scales`: (scale, 1 / scale) of a tensorwise weight, whose [0] is `weight._scale`."""
-    if weight._data.dim() == 2:
-        weight._operands = GatheredOperands(inner, scales=scales)
+    """Give a freshly built unsharded weight its once-per-unshard operands record; `inner`
+    (the tensors FSDP2 frees and refills) is the list the record extends; `scales`:
+    (scale, 1 / scale) of a tensorwise weight, whose [0] is `weight._scale`."""
+    weight._operands = GatheredOperands(inner, scales=scales)
     return inner
 
 

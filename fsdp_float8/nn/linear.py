@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from fsdp_float8.core.cast_plan import CastPlan, Pair, weight_for
+from fsdp_float8.core.cast_plan import CastPlan, Pair
 from fsdp_float8.core.config import Float8LinearConfig, ScalingType
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.config_foreign import as_float8_linear_config
@@ -35,6 +35,7 @@ from fsdp_float8.core.gemms import (
     Gemm,
     Operand,
 )
+from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight

@@ -21,7 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig, Float8Tensor, Gemm, Operand
-from fsdp_float8.core.cast_plan import CastPlan, weight_for
+from fsdp_float8.core.cast_plan import CastPlan
+from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.nn.linear import cast_operand
 
 N, K, M = 160, 96, 16  # distinct sizes: only the weight has N * K elements
@@ -125,3 +126,41 @@ def test_grad_input_weight_from_gathered_rows_is_dequantize_then_cast(
         assert got[0].t().is_contiguous(), got[0].stride()
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("power_of_2", [False, True])
+def test_expert_grad_input_weight_from_gathered_rows_once_per_unshard(power_of_2: bool) -> None:
+    """A rowwise-gathered 3-D expert weight (E, out, in): grad_input's operand is the same
+    bytes and scales as dequantize-then-cast, column-major per expert (the grouped GEMM's
+    right operand, no copy in the GEMM), and built once per unshard."""
+    from fsdp_float8.experts.gemm import cast_expert_operand, expert_weight_for
+    from fsdp_float8.experts.modules import Float8GroupedExperts
+    from tests.models import GroupedExperts
+
+    config = Float8LinearConfig.from_recipe_name(
+        "rowwise", enable_fsdp_float8_all_gather=True, round_scales_to_power_of_2=power_of_2
+    )
+    torch.manual_seed(0)
+    hp = GroupedExperts(64, 96, 4)
+    with torch.no_grad():  # columns spanning 2^-8..2^8, one zero row
+        hp.w1.copy_(torch.randn(hp.w1.shape) * torch.logspace(-8, 8, 64, base=2))
+        hp.w1[1, 5] = 0
+    experts = Float8GroupedExperts.from_experts(hp.to(torch.bfloat16), config)
+    weight = experts.w1
+    inputs, meta = weight.fsdp_pre_all_gather(
+        _OneShard(), weight.shape, weight.stride(), experts, None
+    )
+    gathered, _ = weight.fsdp_post_all_gather(inputs, meta, torch.bfloat16)
+    assert isinstance(gathered, Float8Tensor) and gathered.dim() == 3
+    plan, offs = experts.plan, torch.tensor([8, 16, 16, 24], dtype=torch.int32)
+    got = expert_weight_for(gathered, Gemm.GRAD_INPUT, plan, offs)
+    hp_w = gathered._data.to(torch.float32) * gathered._scale.reciprocal()
+    want = cast_expert_operand(hp_w, Operand.WEIGHT, Gemm.GRAD_INPUT, plan, offs)
+    assert got[1] is not None and want[1] is not None
+    assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+    assert got[0].mT.is_contiguous(), got[0].stride()
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+    again = expert_weight_for(gathered, Gemm.GRAD_INPUT, plan, offs)
+    assert again[0] is got[0] and gathered._operands is not None
+    assert gathered._operands.builds == 1

@@ -173,6 +173,29 @@ def test_one_fsdp_hook_pair_in_the_weight_wrappers_base() -> None:
     assert not rules.fsdp_hook_defs(ast.parse("out = w.fsdp_pre_all_gather(mesh)"))
 
 
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_a_format_is_one_module_that_says_all_about_its_weight() -> None:
+    # each format module: its shard's amax need, its all-gather record, and how its
+    # gathered weight becomes each GEMM's operand; no other module decides the last
+    format_api = {"NEEDS_GLOBAL_AMAX", "operand_kind", "build_operand"}
+    homes = {f for f, tree in _trees().items() if format_api & _top_level_names(tree)}
+    formats = {"formats/tensorwise.py", "formats/rowwise.py", "formats/block.py"}
+    assert homes == formats, homes
+    for name in formats:
+        names = _top_level_names(_trees()[name])
+        assert format_api <= names, (name, format_api - names)
+        assert any(n.endswith("Gather") for n in names), name
+
+
 def test_the_batched_amax_reduction_is_the_only_one_outside_the_scale_path() -> None:
     # the float8 step's batched reduction (one module of fsdp/) is the only MAX
     # all-reduce of amaxes outside core/amax_sync.py and core/scaling.py
