@@ -38,6 +38,7 @@ from fsdp_float8.core.gemms import (
 from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.nn.cast_words import cast_configs
+from fsdp_float8.nn.input_casts import input_cast
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
 
@@ -118,11 +119,16 @@ class _Float8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
         x_fp8: Pair
         saved_x: Pair
+        kept = None
         if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
             x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
         else:
             x2 = x.reshape(-1, x.shape[-1])
-            x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
+            # one cast for every layer that reads x (`input_casts`)
+            kept = input_cast(
+                x, plan, lambda: cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
+            )
+            x_fp8 = kept.pair
             saved_x = (x2, None)
             if plan.shared(Operand.INPUT):
                 # grad_weight takes the same cast (same scale, same bytes): keep the float8
@@ -132,14 +138,19 @@ class _Float8LinearFn(torch.autograd.Function):
                 saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
         inverses = _weight_inverse(weight, {})
+        if kept is not None and kept.inverse is not None:
+            inverses[id(x_fp8[1])] = (x_fp8[1], kept.inverse)
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, inverses)
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
         w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
         x_inv = inverses.get(id(x_fp8[1]), (None, None))[1]  # grad_weight's too
+        if kept is not None:
+            kept.inverse = x_inv
         ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
         ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
+        ctx.kept = kept if kept is not None and kept.version >= 0 else None
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
@@ -163,7 +174,11 @@ class _Float8LinearFn(torch.autograd.Function):
             go_gw = go_fp8
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
-        if x_saved_scale is not None:
+        if x_saved_scale is not None and ctx.kept is not None:  # shared with other readers
+            if ctx.kept.columns is None:
+                ctx.kept.columns = x_data.t().contiguous().t()
+            x_gw = (ctx.kept.columns, x_saved_scale)
+        elif x_saved_scale is not None:
             x_gw = (x_data, x_saved_scale)  # saved in float8 (save_input_in_float8)
         elif plan.shared(Operand.INPUT):
             x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)

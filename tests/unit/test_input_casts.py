@@ -1,0 +1,160 @@
+"""One float8 cast of an input that several linears read (`fsdp_float8.nn.input_casts`).
+
+Three tensorwise layers reading one activation (attention's wq, wk, wv) must give the same
+bits as three layers reading three copies of it, forward and backward, with one amax pass
+over the activation instead of three (counted with a dispatch mode). A write into the
+input between two readers, another cast, delayed scaling and inference mode each make the
+reader cast for itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig
+
+M, K, N = 64, 96, 80
+TENSORWISE = Float8LinearConfig.from_recipe_name("tensorwise")
+
+
+class _AmaxPasses(TorchDispatchMode):
+    """amax ops over tensors of x's size (M * K elements, the only tensors of that size),
+    and copies of its float8 cast (grad_weight's column-major operand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name, first = func.overloadpacket.__name__, args[0]
+        if name in ("amax", "max") and first.numel() == M * K:
+            self.count += 1
+        if name in ("clone", "copy_") and first.numel() == M * K and first.itemsize == 1:
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layers(*configs: Float8LinearConfig) -> nn.ModuleList:
+    torch.manual_seed(0)
+    layers = [Float8Linear(K, N, bias=False, config=c) for c in configs]
+    return nn.ModuleList(layers).to(torch.bfloat16)
+
+
+def _x(seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+
+
+def _run(layers: nn.ModuleList, shared: bool) -> tuple[list, list, tuple[int, int]]:
+    x = _x().requires_grad_()
+    copies = [x if shared else x.clone() for _ in layers]
+    with _AmaxPasses() as passes:
+        outs = [layer(xi) for layer, xi in zip(layers, copies, strict=True)]
+        sum(o.float().square().sum() for o in outs).backward()
+    grads = [x.grad] + [layer.weight.grad for layer in layers]
+    return outs, grads, (passes.count, passes.copies)
+
+
+def test_readers_of_one_input_share_its_cast_bit_for_bit():
+    layers = _layers(TENSORWISE, TENSORWISE, TENSORWISE)
+    outs, grads, passes = _run(layers, shared=True)
+    for layer in layers:
+        layer.weight.grad = None
+    want_outs, want_grads, own_passes = _run(layers, shared=False)
+    assert own_passes == (3, 3) and passes == (1, 1), (own_passes, passes)
+    for got, want in zip(outs + grads, want_outs + want_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_write_into_the_input_between_readers_casts_anew():
+    layers = _layers(TENSORWISE, TENSORWISE)
+    x = _x()
+    with torch.no_grad():
+        layers[0](x)
+        x.view(-1)[:K].mul_(64)  # through a view: the version counter is shared
+        got = layers[1](x)
+        want = layers[1](x.clone())
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"cast_config_input": CastConfig(target_dtype=torch.float8_e5m2), "emulate": True},
+        {"round_scales_to_power_of_2": True},
+    ],
+    ids=["e5m2_input", "power_of_2"],
+)
+def test_another_cast_casts_for_itself(other):
+    config = Float8LinearConfig.from_recipe_name("tensorwise", **other)
+    layers = _layers(TENSORWISE, config)
+    x = _x()
+    with torch.no_grad(), _AmaxPasses() as passes:
+        layers[0](x)
+        got = layers[1](x)
+    with torch.no_grad():
+        want = layers[1](x.clone())
+    assert passes.count == 2 and torch.equal(got, want)
+
+
+def test_delayed_scaling_records_every_layers_amax():
+    # each delayed layer records its input's amax in its own history: no reader skips it
+    delayed = CastConfig(scaling_type="delayed")
+    config = Float8LinearConfig(
+        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+    )
+    layers = _layers(config, config)
+    x = _x()
+    with torch.no_grad(), _AmaxPasses() as passes:
+        layers[0](x), layers[1](x)
+    assert passes.count == 2
+
+
+def _attention_like(x: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
+    return sum(layer(x).float().square().sum() for layer in layers)
+
+
+def test_checkpointed_readers_cast_for_themselves_and_match():
+    # activation checkpointing drops the forward's casts and replays them: no reader may
+    # take a cast kept from the forward, in the forward or in the recompute
+    from torch.utils.checkpoint import checkpoint
+
+    layers = _layers(TENSORWISE, TENSORWISE, TENSORWISE)
+    x = _x().requires_grad_()
+    with _AmaxPasses() as passes:
+        checkpoint(_attention_like, x, layers, use_reentrant=False).backward()
+    got = [x.grad] + [layer.weight.grad for layer in layers]
+    for layer in layers:
+        layer.weight.grad = None
+    x2 = _x().requires_grad_()
+    _attention_like(x2, layers).backward()
+    want = [x2.grad] + [layer.weight.grad for layer in layers]
+    assert passes.count == 6, passes.count  # 3 in forward, 3 in the recompute
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_table_keeps_no_cast_alive():
+    # only the readers' contexts hold a kept cast: without a graph it is gone at once
+    from fsdp_float8.nn.input_casts import _KEPT
+
+    layers = _layers(TENSORWISE, TENSORWISE)
+    x = _x().requires_grad_()
+    with torch.no_grad(), _AmaxPasses() as passes:
+        layers[0](x), layers[1](x)
+    assert passes.count == 2
+    out = layers[0](x)
+    assert _KEPT[x]() is not None
+    del out
+    assert _KEPT[x]() is None
+
+
+def test_inference_mode_reads_cast_for_themselves():
+    layers = _layers(TENSORWISE, TENSORWISE)
+    with torch.inference_mode():
+        x = _x()
+        outs = [layer(x) for layer in layers]
+        want = [layer(x.clone()) for layer in layers]
+    assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
