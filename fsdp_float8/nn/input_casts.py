@@ -1,33 +1,36 @@
-"""One float8 cast of an input that several linears read: `input_cast`.
+"""The float8 casts of an input that several linears read: `shared_casts`.
 
-Attention's wq, wk and wv read the same activation, and so do SwiGLU's w1 and w3. When the
-input's float8 cast serves both of its GEMMs (a tensorwise scale: `CastPlan.shared`), each
-layer casting it again would compute the same amax, write the same float8 bytes, invert the
-same scale and save its own copy for backward. The first layer's cast (and the scale's
-inverse) is kept for the others instead:
+Attention's wq, wk and wv read the same activation, and so do SwiGLU's w1 and w3. Cast by
+each layer alone, the activation would be cast for the output GEMM once per layer (same
+amax, same float8 bytes, same inverse scale, one saved copy per layer under tensorwise
+scaling) and again for grad_weight once per layer in backward. The readers share one
+`InputCasts` record instead, which the first reader of each GEMM fills:
 
-- keyed by the input tensor itself, weakly, and by the cast (scaling strategy and float8
-  dtype): a layer with another cast casts anew;
-- checked against the input's version counter: a write into the input (or into any view
-  of it) between two readers makes the next one cast anew, never read a stale cast;
-- held by the readers' autograd contexts only (the table refers to it weakly): it lives
-  exactly as long as a reader's backward needs it, so it adds no memory; where no context
-  keeps it (no grad, inference tensors) each reader casts for itself;
-- only for a scale from the input's own amax (dynamic scaling; delayed scaling records each
-  layer's amax in its own history), only for plain tensors, only outside saved-tensor hooks
-  (activation checkpointing drops what a forward saves and replays its ops by position: a
-  cast kept from the forward would be read by the recompute instead of being replayed), and
-  only in eager mode: under torch.compile the graph shares the cast itself.
+- `forward`: the output GEMM's cast, where it is also saved for grad_weight (tensorwise:
+  `CastPlan.shared`); with its `inverse`. Where grad_weight takes another cast (rowwise),
+  the forward cast is not saved and is not shared either: keeping it would cost memory.
+- `grad_weight`: grad_weight's operand, column-major (the kept forward cast laid out anew,
+  or the cast from the saved high-precision input), made by the first reader's backward.
 
-Backward shares it too: grad_weight takes the kept cast column-major, copied once for all
-readers. That copy lives from the first reader's backward to the last one's, instead of
-being made and freed by each.
+The record is keyed by the input tensor itself, weakly, and by the casts (scaling strategy
+and float8 dtype of both): a layer with other casts gets a record of its own. It holds the
+input's version counter at the first cast: a write into the input (or any view of it)
+between two readers gives the next one a new record, never a stale cast. The readers'
+autograd contexts hold it, the table only refers to it, and each reader's backward lets go
+of it: it lives until the last reader's backward, and adds no memory beyond the one
+shared copy. Where no context keeps it (no grad, inference tensors) each reader casts for
+itself.
+
+Only for scales from the input's own amax (dynamic scaling; delayed scaling records each
+layer's amax in its own history), only for plain tensors, only outside saved-tensor hooks
+(activation checkpointing drops what a forward saves and replays its ops by position: a
+cast kept from the forward would be read by the recompute instead of being replayed), and
+only in eager mode: under torch.compile the graph shares the casts itself.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,38 +41,42 @@ from fsdp_float8.core.gemms import Gemm, Operand
 
 
 @dataclass(eq=False)
-class InputCast:
-    pair: Pair  # (float8 data, scale)
-    inverse: torch.Tensor | None = None  # 1 / scale, once a GEMM has made it
-    columns: torch.Tensor | None = None  # the data column-major, once backward made it
-    version: int = -1  # the input's version at the cast; -1: not kept
-    cast: tuple = ()  # (scaling strategy, float8 dtype)
+class InputCasts:
+    version: int  # the input's version counter at the first cast
+    casts: tuple  # (strategy, float8 dtype) of the output GEMM's and grad_weight's casts
+    forward: Pair | None = None  # the output GEMM's (data, scale), when saved for backward
+    inverse: torch.Tensor | None = None  # 1 / forward's scale, once a GEMM has made it
+    grad_weight: Pair | None = None  # grad_weight's operand, column-major
 
 
-# input tensor -> weakref(InputCast): the readers' contexts hold it, not the table
-_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# input tensor -> weakref(InputCasts): the readers' contexts hold the record, not the table
+_RECORDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_CASTS = ((Operand.INPUT, Gemm.OUTPUT), (Operand.INPUT, Gemm.GRAD_WEIGHT))
+# torch's own query of the saved-tensor hooks stack (2.11 to 2.15); a torch without it
+# shares nothing
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-def input_cast(x: torch.Tensor, plan: CastPlan, cast: Callable[[], Pair]) -> InputCast:
-    """The output GEMM's float8 input for the layer input `x`: kept from an earlier reader
-    of `x` with the same cast, else made by `cast()` (and kept where the module docstring
-    says)."""
-    strategy = plan.strategies[(Operand.INPUT, Gemm.OUTPUT)]
+def _saved_tensors_hooks_on() -> bool:
+    return _TOP_HOOKS is None or _TOP_HOOKS(False) is not None
+
+
+def shared_casts(x: torch.Tensor, plan: CastPlan) -> InputCasts | None:
+    """The record the readers of `x` with `plan`'s input casts share (module docstring);
+    None where nothing is shared."""
+    strategies = [plan.strategies[k] for k in _CASTS]
     if (
-        strategy is None
-        or not strategy.own_amax
-        or not plan.shared(Operand.INPUT)
+        any(s is None or not s.own_amax for s in strategies)
         or torch.compiler.is_compiling()
         or type(x) is not torch.Tensor
         or x.is_inference()
-        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        or _saved_tensors_hooks_on()
     ):
-        return InputCast(cast())
-    key = (strategy, plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)])
-    ref = _KEPT.get(x)
-    kept = None if ref is None else ref()
-    if kept is not None and kept.version == x._version and kept.cast == key:
-        return kept
-    kept = InputCast(cast(), version=x._version, cast=key)
-    _KEPT[x] = weakref.ref(kept)
-    return kept
+        return None
+    casts = tuple((s, plan.dtypes[k]) for s, k in zip(strategies, _CASTS, strict=True))
+    ref = _RECORDS.get(x)
+    record = None if ref is None else ref()
+    if record is None or record.version != x._version or record.casts != casts:
+        record = InputCasts(x._version, casts)
+        _RECORDS[x] = weakref.ref(record)
+    return record

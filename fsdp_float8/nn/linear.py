@@ -38,7 +38,7 @@ from fsdp_float8.core.gemms import (
 from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.nn.cast_words import cast_configs
-from fsdp_float8.nn.input_casts import input_cast
+from fsdp_float8.nn.input_casts import shared_casts
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
 
@@ -119,38 +119,39 @@ class _Float8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
         x_fp8: Pair
         saved_x: Pair
-        kept = None
+        record = None
         if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
             x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
         else:
             x2 = x.reshape(-1, x.shape[-1])
-            # one cast for every layer that reads x (`input_casts`)
-            kept = input_cast(
-                x, plan, lambda: cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
-            )
-            x_fp8 = kept.pair
+            record = shared_casts(x, plan)  # what the layers that read x share
+            if record is not None and record.forward is not None:
+                x_fp8 = record.forward
+            else:
+                x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
             saved_x = (x2, None)
             if plan.shared(Operand.INPUT):
                 # grad_weight takes the same cast (same scale, same bytes): keep the float8
                 # input, not the hp one (half the memory; backward re-lays it out, one copy)
                 saved_x = x_fp8
+                if record is not None:
+                    record.forward = x_fp8
             elif save_input_in_float8:  # blocks: tiles along the token dim, cast from hp
                 saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
         inverses = _weight_inverse(weight, {})
-        if kept is not None and kept.inverse is not None:
-            inverses[id(x_fp8[1])] = (x_fp8[1], kept.inverse)
+        if record is not None and record.inverse is not None:
+            inverses[id(x_fp8[1])] = (x_fp8[1], record.inverse)
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, inverses)
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
         w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
         x_inv = inverses.get(id(x_fp8[1]), (None, None))[1]  # grad_weight's too
-        if kept is not None:
-            kept.inverse = x_inv
+        if record is not None and record.forward is not None:
+            record.inverse = x_inv
         ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
-        ctx.plan, ctx.states, ctx.x_shape = plan, states, x.shape
-        ctx.kept = kept if kept is not None and kept.version >= 0 else None
+        ctx.plan, ctx.states, ctx.x_shape, ctx.record = plan, states, x.shape, record
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
@@ -158,6 +159,7 @@ class _Float8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
         plan, states = ctx.plan, ctx.states
+        record, ctx.record = ctx.record, None  # held until the last reader's backward
         inverses = _weight_inverse(weight, {})
         if x_inv is not None:
             for scale in (x_scale, x_saved_scale):
@@ -174,16 +176,18 @@ class _Float8LinearFn(torch.autograd.Function):
             go_gw = go_fp8
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
-        if x_saved_scale is not None and ctx.kept is not None:  # shared with other readers
-            if ctx.kept.columns is None:
-                ctx.kept.columns = x_data.t().contiguous().t()
-            x_gw = (ctx.kept.columns, x_saved_scale)
-        elif x_saved_scale is not None:
-            x_gw = (x_data, x_saved_scale)  # saved in float8 (save_input_in_float8)
+        if record is not None and record.grad_weight is not None:  # another reader's
+            x_gw = record.grad_weight
+        elif x_saved_scale is not None:  # saved in float8: shared, or save_input_in_float8
+            x_gw = (x_data, x_saved_scale)
+            if record is not None:  # laid out column-major once for every reader
+                x_gw = record.grad_weight = (x_data.t().contiguous().t(), x_saved_scale)
         elif plan.shared(Operand.INPUT):
             x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
         else:
             x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
+            if record is not None:
+                record.grad_weight = x_gw
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
         grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype, inverses)
         grad_w = grad_w.to(weight.dtype)

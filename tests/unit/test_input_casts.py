@@ -1,10 +1,12 @@
-"""One float8 cast of an input that several linears read (`fsdp_float8.nn.input_casts`).
+"""The float8 casts of an input that several linears read (`fsdp_float8.nn.input_casts`).
 
-Three tensorwise layers reading one activation (attention's wq, wk, wv) must give the same
-bits as three layers reading three copies of it, forward and backward, with one amax pass
-over the activation instead of three (counted with a dispatch mode). A write into the
-input between two readers, another cast, delayed scaling and inference mode each make the
-reader cast for itself.
+Three layers reading one activation (attention's wq, wk, wv) must give the same bits as
+three layers reading three copies of it, forward and backward, with fewer amax passes over
+the activation and fewer copies of its cast (counted with a dispatch mode): tensorwise
+shares the forward cast and its column-major copy, rowwise the grad_weight cast. A write
+into the input between two readers, another cast, delayed scaling, activation
+checkpointing and inference mode each make the reader cast for itself; the shared record
+lives until the last reader's backward, not longer.
 """
 
 from __future__ import annotations
@@ -58,13 +60,26 @@ def _run(layers: nn.ModuleList, shared: bool) -> tuple[list, list, tuple[int, in
     return outs, grads, (passes.count, passes.copies)
 
 
-def test_readers_of_one_input_share_its_cast_bit_for_bit():
-    layers = _layers(TENSORWISE, TENSORWISE, TENSORWISE)
+# (amax passes over x, copies of its float8 cast): three readers of one x, three of copies
+_COUNTS = {
+    # forward: one cast; backward: one column-major copy of it
+    "tensorwise": ((1, 1), (3, 3)),
+    # forward: each reader's own row cast; backward: one grad_weight cast along the tokens
+    "rowwise": ((4, 0), (6, 0)),
+    # grad_weight in high precision: nothing to share
+    "rowwise_with_gw_hp": ((3, 0), (3, 0)),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(_COUNTS))
+def test_readers_of_one_input_share_its_casts_bit_for_bit(recipe):
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layers = _layers(config, config, config)
     outs, grads, passes = _run(layers, shared=True)
     for layer in layers:
         layer.weight.grad = None
     want_outs, want_grads, own_passes = _run(layers, shared=False)
-    assert own_passes == (3, 3) and passes == (1, 1), (own_passes, passes)
+    assert (passes, own_passes) == _COUNTS[recipe], (passes, own_passes)
     for got, want in zip(outs + grads, want_outs + want_grads, strict=True):
         assert torch.equal(got, want)
 
@@ -72,12 +87,11 @@ def test_readers_of_one_input_share_its_cast_bit_for_bit():
 def test_a_write_into_the_input_between_readers_casts_anew():
     layers = _layers(TENSORWISE, TENSORWISE)
     x = _x()
-    with torch.no_grad():
-        layers[0](x)
-        x.view(-1)[:K].mul_(64)  # through a view: the version counter is shared
-        got = layers[1](x)
-        want = layers[1](x.clone())
-    assert torch.equal(got, want)
+    first = layers[0](x)  # its graph holds the record
+    x.view(-1)[:K].mul_(64)  # through a view: the version counter is shared
+    got = layers[1](x)
+    want = layers[1](x.clone())
+    assert first.requires_grad and torch.equal(got, want)
 
 
 @pytest.mark.parametrize(
@@ -92,12 +106,11 @@ def test_another_cast_casts_for_itself(other):
     config = Float8LinearConfig.from_recipe_name("tensorwise", **other)
     layers = _layers(TENSORWISE, config)
     x = _x()
-    with torch.no_grad(), _AmaxPasses() as passes:
-        layers[0](x)
+    with _AmaxPasses() as passes:
+        first = layers[0](x)  # its graph holds the record
         got = layers[1](x)
-    with torch.no_grad():
-        want = layers[1](x.clone())
-    assert passes.count == 2 and torch.equal(got, want)
+    want = layers[1](x.clone())
+    assert first.requires_grad and passes.count == 2 and torch.equal(got, want)
 
 
 def test_delayed_scaling_records_every_layers_amax():
@@ -108,9 +121,9 @@ def test_delayed_scaling_records_every_layers_amax():
     )
     layers = _layers(config, config)
     x = _x()
-    with torch.no_grad(), _AmaxPasses() as passes:
-        layers[0](x), layers[1](x)
-    assert passes.count == 2
+    with _AmaxPasses() as passes:
+        outs = layers[0](x), layers[1](x)
+    assert outs[0].requires_grad and passes.count == 2
 
 
 def _attention_like(x: torch.Tensor, layers: nn.ModuleList) -> torch.Tensor:
@@ -138,7 +151,7 @@ def test_checkpointed_readers_cast_for_themselves_and_match():
 
 def test_the_table_keeps_no_cast_alive():
     # only the readers' contexts hold a kept cast: without a graph it is gone at once
-    from fsdp_float8.nn.input_casts import _KEPT
+    from fsdp_float8.nn.input_casts import _RECORDS
 
     layers = _layers(TENSORWISE, TENSORWISE)
     x = _x().requires_grad_()
@@ -146,9 +159,14 @@ def test_the_table_keeps_no_cast_alive():
         layers[0](x), layers[1](x)
     assert passes.count == 2
     out = layers[0](x)
-    assert _KEPT[x]() is not None
+    assert _RECORDS[x]() is not None
     del out
-    assert _KEPT[x]() is None
+    assert _RECORDS[x]() is None
+    # the last reader's backward lets go, though the graph (and its contexts) stays
+    loss = layers[0](x).float().sum() + layers[1](x).float().sum()
+    assert _RECORDS[x]() is not None
+    loss.backward()
+    assert _RECORDS[x]() is None
 
 
 def test_inference_mode_reads_cast_for_themselves():
