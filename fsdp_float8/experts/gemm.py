@@ -29,6 +29,7 @@ import torch
 from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
+from fsdp_float8.core.input_casts import shared_casts
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,
@@ -131,7 +132,8 @@ class _Float8GroupedExpertsFn(torch.autograd.Function):
         w_fp8 = expert_weight_for(weight, Gemm.OUTPUT, plan, offs)
         out = _gemm(x_fp8, _t3(w_fp8), offs, Gemm.OUTPUT, plan, x.dtype)
         ctx.save_for_backward(x, weight, offs)
-        ctx.plan = plan
+        # w1 and w3 read the same tokens: one grad_weight cast of them (`input_casts`)
+        ctx.plan, ctx.record = plan, shared_casts(x, plan, offs)
         return out
 
     @staticmethod
@@ -143,7 +145,13 @@ class _Float8GroupedExpertsFn(torch.autograd.Function):
         w_gi = expert_weight_for(weight, Gemm.GRAD_INPUT, plan, offs)
         grad_x = _gemm(go, w_gi, offs, Gemm.GRAD_INPUT, plan, grad_out.dtype)
         go_gw = cast_expert_operand(grad_out, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, offs)
-        x_gw = cast_expert_operand(x, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, offs)
+        record, ctx.record = ctx.record, None  # held until the last reader's backward
+        if record is not None and record.grad_weight is not None:
+            x_gw = record.grad_weight
+        else:
+            x_gw = cast_expert_operand(x, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, offs)
+            if record is not None:
+                record.grad_weight = x_gw
         go_t = (go_gw[0].t(), go_gw[1])  # (N, M) with its per-(expert, row) scale (E, N)
         # row-scaled: the activations' dtype, cast up (the grouped kernel gives bf16 only)
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype

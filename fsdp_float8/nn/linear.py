@@ -35,10 +35,10 @@ from fsdp_float8.core.gemms import (
     Gemm,
     Operand,
 )
+from fsdp_float8.core.input_casts import shared_casts
 from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.nn.cast_words import cast_configs
-from fsdp_float8.nn.input_casts import shared_casts
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
 

@@ -1,4 +1,4 @@
-"""The float8 casts of an input that several linears read (`fsdp_float8.nn.input_casts`).
+"""The float8 casts of an input that several linears read (`fsdp_float8.core.input_casts`).
 
 Three layers reading one activation (attention's wq, wk, wv) must give the same bits as
 three layers reading three copies of it, forward and backward, with fewer amax passes over
@@ -151,7 +151,7 @@ def test_checkpointed_readers_cast_for_themselves_and_match():
 
 def test_the_table_keeps_no_cast_alive():
     # only the readers' contexts hold a kept cast: without a graph it is gone at once
-    from fsdp_float8.nn.input_casts import _RECORDS
+    from fsdp_float8.core.input_casts import _RECORDS
 
     layers = _layers(TENSORWISE, TENSORWISE)
     x = _x().requires_grad_()
@@ -176,3 +176,44 @@ def test_inference_mode_reads_cast_for_themselves():
         outs = [layer(x) for layer in layers]
         want = [layer(x.clone()) for layer in layers]
     assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
+
+
+def _expert_run(config: Float8LinearConfig, shared: bool, same_offs: bool = True):
+    """w1 and w3 of grouped experts on one token tensor (or a copy each): outputs and
+    gradients, and how many grad_weight casts of the tokens backward made."""
+    import fsdp_float8.experts.gemm as expert_gemm
+    from fsdp_float8.core.gemms import Gemm, Operand
+    from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
+
+    plan = ExpertCastPlan.from_config(config)
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = (torch.randn(4, 48, K, generator=g).requires_grad_() for _ in range(2))
+    x = (torch.randn(M, K, generator=g) * 3).requires_grad_()
+    offs = torch.tensor([8, 8, 40, M], dtype=torch.int32)
+    offs3 = offs if same_offs else offs.clone()
+    x1, x3 = (x, x) if shared else (x.clone(), x.clone())
+    casts = []
+    own = expert_gemm.cast_expert_operand
+
+    def counted(hp, op, gemm, plan, offs):
+        if (op, gemm) == (Operand.INPUT, Gemm.GRAD_WEIGHT):
+            casts.append(hp)
+        return own(hp, op, gemm, plan, offs)
+
+    expert_gemm.cast_expert_operand = counted
+    try:
+        out = float8_grouped_mm(x1, w1, offs, plan) * float8_grouped_mm(x3, w3, offs3, plan)
+        out.square().sum().backward()
+    finally:
+        expert_gemm.cast_expert_operand = own
+    return [out, x.grad, w1.grad, w3.grad], len(casts)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_expert_projections_of_one_input_share_its_grad_weight_cast(recipe):
+    config = Float8LinearConfig.from_recipe_name(recipe, emulate=True)
+    got, shared_casts = _expert_run(config, shared=True)
+    want, own_casts = _expert_run(config, shared=False)
+    _, other_offs_casts = _expert_run(config, shared=True, same_offs=False)
+    assert (shared_casts, own_casts, other_offs_casts) == (1, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -1,7 +1,7 @@
-"""The float8 casts of an input that several linears read: `shared_casts`.
+"""The float8 casts of an input that several layers read: `shared_casts`.
 
-Attention's wq, wk and wv read the same activation, and so do SwiGLU's w1 and w3. Cast by
-each layer alone, the activation would be cast for the output GEMM once per layer (same
+Attention's wq, wk and wv read the same activation, and so do SwiGLU's w1 and w3 (linears,
+or the grouped experts' projections of the same routed tokens). Cast by each layer alone, the activation would be cast for the output GEMM once per layer (same
 amax, same float8 bytes, same inverse scale, one saved copy per layer under tensorwise
 scaling) and again for grad_weight once per layer in backward. The readers share one
 `InputCasts` record instead, which the first reader of each GEMM fills:
@@ -12,8 +12,9 @@ scaling) and again for grad_weight once per layer in backward. The readers share
 - `grad_weight`: grad_weight's operand, column-major (the kept forward cast laid out anew,
   or the cast from the saved high-precision input), made by the first reader's backward.
 
-The record is keyed by the input tensor itself, weakly, and by the casts (scaling strategy
-and float8 dtype of both): a layer with other casts gets a record of its own. It holds the
+The record is keyed by the input tensor itself, weakly, by the casts (scaling strategy
+and float8 dtype of both) and by the layer family's context (the experts' token offsets,
+by identity): a layer with other casts or other groups gets a record of its own. It holds the
 input's version counter at the first cast: a write into the input (or any view of it)
 between two readers gives the next one a new record, never a stale cast. The readers'
 autograd contexts hold it, the table only refers to it, and each reader's backward lets go
@@ -47,6 +48,7 @@ class InputCasts:
     forward: Pair | None = None  # the output GEMM's (data, scale), when saved for backward
     inverse: torch.Tensor | None = None  # 1 / forward's scale, once a GEMM has made it
     grad_weight: Pair | None = None  # grad_weight's operand, column-major
+    context: object = None  # the experts' token offsets; None for a linear
 
 
 # input tensor -> weakref(InputCasts): the readers' contexts hold the record, not the table
@@ -61,9 +63,9 @@ def _saved_tensors_hooks_on() -> bool:
     return _TOP_HOOKS is None or _TOP_HOOKS(False) is not None
 
 
-def shared_casts(x: torch.Tensor, plan: CastPlan) -> InputCasts | None:
-    """The record the readers of `x` with `plan`'s input casts share (module docstring);
-    None where nothing is shared."""
+def shared_casts(x: torch.Tensor, plan: CastPlan, context: object = None) -> InputCasts | None:
+    """The record the readers of `x` with `plan`'s input casts (and `context`) share
+    (module docstring); None where nothing is shared."""
     strategies = [plan.strategies[k] for k in _CASTS]
     if (
         any(s is None or not s.own_amax for s in strategies)
@@ -76,7 +78,12 @@ def shared_casts(x: torch.Tensor, plan: CastPlan) -> InputCasts | None:
     casts = tuple((s, plan.dtypes[k]) for s, k in zip(strategies, _CASTS, strict=True))
     ref = _RECORDS.get(x)
     record = None if ref is None else ref()
-    if record is None or record.version != x._version or record.casts != casts:
-        record = InputCasts(x._version, casts)
+    if (
+        record is None
+        or record.version != x._version
+        or record.casts != casts
+        or record.context is not context
+    ):
+        record = InputCasts(x._version, casts, context=context)
         _RECORDS[x] = weakref.ref(record)
     return record
