@@ -1,10 +1,11 @@
 """The float8 casts of an input that several layers read: `shared_casts`.
 
 Attention's wq, wk and wv read the same activation, and so do SwiGLU's w1 and w3 (linears,
-or the grouped experts' projections of the same routed tokens). Cast by each layer alone, the activation would be cast for the output GEMM once per layer (same
-amax, same float8 bytes, same inverse scale, one saved copy per layer under tensorwise
-scaling) and again for grad_weight once per layer in backward. The readers share one
-`InputCasts` record instead, which the first reader of each GEMM fills:
+or the grouped experts' projections of the same routed tokens). Cast by each layer alone,
+the activation would be cast for the output GEMM once per layer (same amax, same float8
+bytes, same inverse scale, one saved copy per layer under tensorwise scaling) and again for
+grad_weight once per layer in backward. The readers share one `InputCasts` record instead,
+which the first reader of each GEMM fills:
 
 - `forward`: the output GEMM's cast, where it is also saved for grad_weight (tensorwise:
   `CastPlan.shared`); with its `inverse`. Where grad_weight takes another cast (rowwise),
@@ -12,15 +13,14 @@ scaling) and again for grad_weight once per layer in backward. The readers share
 - `grad_weight`: grad_weight's operand, column-major (the kept forward cast laid out anew,
   or the cast from the saved high-precision input), made by the first reader's backward.
 
-The record is keyed by the input tensor itself, weakly, by the casts (scaling strategy
-and float8 dtype of both) and by the layer family's context (the experts' token offsets,
-by identity): a layer with other casts or other groups gets a record of its own. It holds the
+The record is keyed by the input tensor itself, weakly, by the casts (scaling strategy and
+float8 dtype of both) and by the layer family's context (the experts' token offsets, by
+identity): a layer with other casts or other groups gets a record of its own. It holds the
 input's version counter at the first cast: a write into the input (or any view of it)
 between two readers gives the next one a new record, never a stale cast. The readers'
 autograd contexts hold it, the table only refers to it, and each reader's backward lets go
-of it: it lives until the last reader's backward, and adds no memory beyond the one
-shared copy. Where no context keeps it (no grad, inference tensors) each reader casts for
-itself.
+of it: it lives until the last reader's backward, and adds no memory beyond the one shared
+copy. Where no context keeps it (no grad, inference tensors) each reader casts for itself.
 
 Only for scales from the input's own amax (dynamic scaling; delayed scaling records each
 layer's amax in its own history), only for plain tensors, only outside saved-tensor hooks
