@@ -32,6 +32,7 @@ only in eager mode: under torch.compile the graph shares the casts itself.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +88,13 @@ def shared_casts(x: torch.Tensor, plan: CastPlan, context: object = None) -> Inp
         record = InputCasts(x._version, casts, context=context)
         _RECORDS[x] = weakref.ref(record)
     return record
+
+
+def shared_grad_weight(record: InputCasts | None, make: Callable[[], Pair]) -> Pair:
+    """grad_weight's operand of the input: another reader's when `record` has it, else
+    `make()` (kept in `record` for the readers after)."""
+    if record is None:
+        return make()
+    if record.grad_weight is None:
+        record.grad_weight = make()
+    return record.grad_weight

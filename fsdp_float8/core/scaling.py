@@ -40,6 +40,7 @@ import torch
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
 from fsdp_float8.core.blocks import Block, blocked, cast_to_float8_blocks, expand_block_scale
+from fsdp_float8.core.constants import constant
 
 # the largest scale: its inverse is float32's smallest normal, 2^-126 (see the docstring)
 MAX_SCALE = 2.0**126
@@ -63,20 +64,6 @@ def amax_to_scale(
     if power_of_2:
         scale = round_down_to_power_of_2(scale)
     return scale
-
-
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def constant(value: float, dtype: torch.dtype, device, dims: int = 0) -> torch.Tensor:
-    """`value` as a tensor of `dims` size-1 dims, made once per (value, dtype, device, dims):
-    no op, and on CUDA no pageable host-to-device copy, per use. Shared and read-only."""
-    key = (float(value), dtype, torch.device(device), dims)
-    const = _CONSTANTS.get(key)
-    if const is None:
-        with torch.inference_mode(False), torch.no_grad():  # usable by autograd later
-            const = _CONSTANTS[key] = torch.full((1,) * dims, key[0], dtype=dtype, device=key[2])
-    return const
 
 
 def scale_from_amax(

@@ -29,7 +29,7 @@ import torch
 from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
-from fsdp_float8.core.input_casts import shared_casts
+from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,
@@ -97,8 +97,9 @@ def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: CastPlan, offs) -> Pa
 
 
 def expert_weight_for(weight, gemm: Gemm, plan: CastPlan, offs) -> Pair:
-    """The weight (E, N, K) cast for `gemm` (`formats.weight_operands.weight_for`: a gathered Float8Tensor
-    as it is for output, its rows re-cast along `out` for grad_input when rowwise)."""
+    """The weight (E, N, K) cast for `gemm` (`formats.weight_operands.weight_for`: a
+    gathered Float8Tensor as it is for output, its rows re-cast along `out` for grad_input
+    when rowwise)."""
     return weight_for(weight, gemm, plan, cast_expert_operand, offs)
 
 
@@ -146,12 +147,9 @@ class _Float8GroupedExpertsFn(torch.autograd.Function):
         grad_x = _gemm(go, w_gi, offs, Gemm.GRAD_INPUT, plan, grad_out.dtype)
         go_gw = cast_expert_operand(grad_out, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, offs)
         record, ctx.record = ctx.record, None  # held until the last reader's backward
-        if record is not None and record.grad_weight is not None:
-            x_gw = record.grad_weight
-        else:
-            x_gw = cast_expert_operand(x, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, offs)
-            if record is not None:
-                record.grad_weight = x_gw
+        x_gw = shared_grad_weight(
+            record, lambda: cast_expert_operand(x, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, offs)
+        )
         go_t = (go_gw[0].t(), go_gw[1])  # (N, M) with its per-(expert, row) scale (E, N)
         # row-scaled: the activations' dtype, cast up (the grouped kernel gives bf16 only)
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype

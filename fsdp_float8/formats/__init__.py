@@ -6,6 +6,7 @@ metadata record that turns the gathered outputs into the unsharded weight (`buil
 refreshes it in place on the next gather (`refill`), whether the shard's scale needs a
 cross-rank amax, and how the gathered weight becomes each GEMM's operand (`operand_kind`,
 `build_operand`). `operands` holds what every format shares: the weight's GEMM operands,
-built once per unshard; `weight_operands.weight_for` is the one entry the layers call. The layer sits between `core/` (the numerics and the GEMM
-backends) and `weight_wrappers/` (the FSDP2 hooks, which delegate here).
+built once per unshard; `weight_operands.weight_for` is the one entry the layers call. The
+layer sits between `core/` (the numerics and the GEMM backends) and `weight_wrappers/` (the
+FSDP2 hooks, which delegate here).
 """

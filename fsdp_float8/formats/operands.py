@@ -81,13 +81,9 @@ class GatheredOperands:
 def column_major(data: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
     """An (N, K) weight's data copied column-major (the right operand of grad_input), into
     `out` (the previous unshard's copy) when given: (copy, buffers newly allocated)."""
-    columns = out.t() if out is not None else empty_t(data)
+    if out is None:  # a row-major (K, N) buffer
+        columns = torch.empty((data.shape[1], data.shape[0]), dtype=data.dtype, device=data.device)
+    else:
+        columns = out.t()
     columns.copy_(data.t())
     return columns.t(), (() if out is not None else (columns,))
-
-
-def empty_t(data: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A row-major (K, N) buffer for an (N, K) weight's column-major copy."""
-    return torch.empty(
-        (data.shape[1], data.shape[0]), dtype=dtype or data.dtype, device=data.device
-    )

@@ -8,9 +8,10 @@ Pack: the float8 bytes only, as one `uint8` input (gloo rejects float8 dtypes). 
 the same on every rank, travels as metadata: under uneven sharding FSDP2 demands every input
 at exactly the padded shard size, which leaves the data no room for it. The gathered data
 serves both weight GEMMs (a tensorwise scale is the same whichever dim is contracted):
-grad_input gets a column-major copy, never a re-cast (`operand_kind`, `build_operand`). The unsharded weight
-keeps its scale and the scale's inverse (what both GEMMs multiply by) side by side in one
-2-element tensor of its own: written by one op per all-gather, read by no op per GEMM.
+grad_input gets a column-major copy, never a re-cast (`operand_kind`, `build_operand`). The
+unsharded weight keeps its scale and the scale's inverse (what both GEMMs multiply by) side
+by side in one 2-element tensor of its own: written by one op per all-gather, read by no op
+per GEMM.
 """
 
 from __future__ import annotations

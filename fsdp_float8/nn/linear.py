@@ -35,7 +35,7 @@ from fsdp_float8.core.gemms import (
     Gemm,
     Operand,
 )
-from fsdp_float8.core.input_casts import shared_casts
+from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
 from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.nn.cast_words import cast_configs
@@ -176,18 +176,18 @@ class _Float8LinearFn(torch.autograd.Function):
             go_gw = go_fp8
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
-        if record is not None and record.grad_weight is not None:  # another reader's
-            x_gw = record.grad_weight
-        elif x_saved_scale is not None:  # saved in float8: shared, or save_input_in_float8
-            x_gw = (x_data, x_saved_scale)
-            if record is not None:  # laid out column-major once for every reader
-                x_gw = record.grad_weight = (x_data.t().contiguous().t(), x_saved_scale)
+        # grad_weight's input: made once for the layers that read it (`input_casts`)
+        if x_saved_scale is not None:  # saved in float8 (shared, or save_input_in_float8)
+            x_gw = shared_grad_weight(
+                record, lambda: (x_data.t().contiguous().t(), x_saved_scale)
+            )  # column-major, as the GEMM lays it out
         elif plan.shared(Operand.INPUT):
             x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
         else:
-            x_gw = cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
-            if record is not None:
-                record.grad_weight = x_gw
+            x_gw = shared_grad_weight(
+                record,
+                lambda: cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states),
+            )
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
         grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype, inverses)
         grad_w = grad_w.to(weight.dtype)
