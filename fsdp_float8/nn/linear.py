@@ -65,35 +65,41 @@ def _t(pair: Pair) -> Pair:
     return data.t(), (scale.t() if scale is not None and scale.dim() == 2 else scale)
 
 
-def _inverse(scale: torch.Tensor, inverses: dict) -> torch.Tensor:
-    """`1 / scale` (what the GEMM takes), once per scale tensor within one forward or
-    backward (x's serves output and grad_weight, grad_output's grad_input and grad_weight);
-    the entry keeps the scale alive, so its id stays its own."""
-    entry = inverses.get(id(scale))
-    if entry is None:
-        entry = inverses[id(scale)] = (scale, scale.reciprocal())
-    return entry[1]
+def _inverse_of(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """`1 / scale` of a 0-d (tensorwise) scale, what `torch._scaled_mm` takes; None for any
+    other scale (the GEMM divides those itself). Computed once per operand cast: the inverse
+    travels beside its cast through forward and backward (x's serves output and
+    grad_weight, grad_output's grad_input and grad_weight)."""
+    return scale.reciprocal() if scale is not None and scale.dim() == 0 else None
 
 
-def _weight_inverse(weight, inverses: dict) -> dict:
-    """`inverses` with a gathered tensorwise weight's inverse, which its all-gather brought
-    (`formats.tensorwise`): no op per GEMM. Not traced (the record is not part of the graph)."""
+def _weight_inverse(weight, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The inverse of a weight operand's scale: a gathered tensorwise weight brought its own
+    with the all-gather (`formats.tensorwise`), so no op per GEMM; else `_inverse_of`.
+    The gathered record is read in eager only (it is not part of a traced graph)."""
     record = weight._operands if isinstance(weight, Float8Tensor) else None
-    inverse = None if record is None or torch.compiler.is_compiling() else record.inverse
-    if inverse is not None:
-        inverses[id(weight._scale)] = (weight._scale, inverse)
-    return inverses
+    if record is not None and record.inverse is not None and not torch.compiler.is_compiling():
+        if scale is weight._scale:  # the gathered scale itself (its layouts share it)
+            return record.inverse
+    return _inverse_of(scale)
+
+
+Inverses = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def _gemm(
-    left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype, inverses: dict
+    left: Pair, right: Pair, gemm: Gemm, plan: CastPlan, out_dtype, inverses: Inverses
 ) -> torch.Tensor:
     (a, a_scale), (b, b_scale) = left, right
     if a_scale is None or b_scale is None:  # both or neither (the config checks)
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
     inv_scales = None
-    if a_scale.dim() == 0 and b_scale.dim() == 0:  # tensorwise: reuse each inverse
-        inv_scales = (_inverse(a_scale, inverses), _inverse(b_scale, inverses))
+    if a_scale.dim() == 0 and b_scale.dim() == 0:  # tensorwise: each operand's own inverse
+        inv_a, inv_b = inverses
+        inv_scales = (
+            a_scale.reciprocal() if inv_a is None else inv_a,
+            b_scale.reciprocal() if inv_b is None else inv_b,
+        )
     return scaled_mm_data(
         a,
         a_scale,
@@ -119,14 +125,14 @@ class _Float8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, plan: CastPlan, states: dict, save_input_in_float8: bool):
         x_fp8: Pair
         saved_x: Pair
-        record = None
+        record, x_inv = None, None
         if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
             x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
         else:
             x2 = x.reshape(-1, x.shape[-1])
             record = shared_casts(x, plan)  # what the layers that read x share
             if record is not None and record.forward is not None:
-                x_fp8 = record.forward
+                x_fp8, x_inv = record.forward, record.inverse
             else:
                 x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
             saved_x = (x2, None)
@@ -139,15 +145,14 @@ class _Float8LinearFn(torch.autograd.Function):
             elif save_input_in_float8:  # blocks: tiles along the token dim, cast from hp
                 saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
-        inverses = _weight_inverse(weight, {})
-        if record is not None and record.inverse is not None:
-            inverses[id(x_fp8[1])] = (x_fp8[1], record.inverse)
-        out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, inverses)
+        if x_inv is None:
+            x_inv = _inverse_of(x_fp8[1])
+        w_inv = _weight_inverse(weight, w_fp8[1])
+        out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, (x_inv, w_inv))
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
         w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
-        x_inv = inverses.get(id(x_fp8[1]), (None, None))[1]  # grad_weight's too
         if record is not None and record.forward is not None:
             record.inverse = x_inv
         ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
@@ -160,22 +165,22 @@ class _Float8LinearFn(torch.autograd.Function):
         x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
         plan, states = ctx.plan, ctx.states
         record, ctx.record = ctx.record, None  # held until the last reader's backward
-        inverses = _weight_inverse(weight, {})
-        if x_inv is not None:
-            for scale in (x_scale, x_saved_scale):
-                if scale is not None:
-                    inverses[id(scale)] = (scale, x_inv)
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
         if isinstance(weight, Float8Tensor) or not plan.shared(Operand.WEIGHT):
             w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
         else:
             w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
-        grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype, inverses)
+        go_inv = _inverse_of(go_fp8[1])
+        w_inv = _weight_inverse(weight, w_gi[1])
+        grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype, (go_inv, w_inv))
         if plan.shared(Operand.GRAD_OUTPUT):
-            go_gw = go_fp8
+            go_gw, go_gw_inv = go_fp8, go_inv
         else:
             go_gw = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_WEIGHT, plan, states)
+            go_gw_inv = None
+        # a shared input cast keeps the forward's scale (saved or re-cast): its inverse too
+        x_gw_inv = x_inv if plan.shared(Operand.INPUT) else None
         # grad_weight's input: made once for the layers that read it (`input_casts`)
         if x_saved_scale is not None:  # saved in float8 (shared, or save_input_in_float8)
             x_gw = shared_grad_weight(
@@ -189,7 +194,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 lambda: cast_operand(x_data, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states),
             )
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
-        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype, inverses)
+        grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype, (go_gw_inv, x_gw_inv))
         grad_w = grad_w.to(weight.dtype)
         return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
 
