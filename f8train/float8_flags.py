@@ -145,7 +145,8 @@ def expert_filter(skip_patterns: list[str]):
 
 
 def describe(a: argparse.Namespace) -> str:
-    """One line naming the configuration, e.g. 'tensorwise/dynamic fp8-all-gather bf16'."""
+    """One line naming the configuration, e.g.
+    'tensorwise/dynamic fp8-all-gather precompute bf16 reduce-fp32'."""
     parts = ["off"]
     if a.recipe != "off":
         all_gather = default_all_gather(a)
@@ -153,7 +154,9 @@ def describe(a: argparse.Namespace) -> str:
         parts = [f"{a.recipe}/{a.scaling}", low if all_gather else "hp-all-gather"]
         if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
             parts.append("precompute" if a.precompute else "no-precompute")
-    parts.append(a.mixed_precision)
+    # gradients reduce in float32 whatever --mixed-precision says (`sharded_model`): named,
+    # since FSDP2's default for reduce_dtype=None differs across torch versions
+    parts += [a.mixed_precision, "reduce-fp32"]
     if a.hsdp_replicate > 1:
         parts.append(f"hsdp-replicate={a.hsdp_replicate}")
     if a.tp > 1:

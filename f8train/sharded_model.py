@@ -45,6 +45,9 @@ def build_model(
         report = model.float8_conversion_report
     if d.tp_mesh is not None:  # after the float8 swap, before the wrappers and fully_shard
         apply_tensor_parallel(model, d.tp_mesh)
+    # reduce_dtype is explicit: with reduce_dtype=None, torch <= 2.14 reduces gradients in
+    # param_dtype (bf16) and 2.15 reduces fp32 parameters' gradients in fp32 (twice the
+    # reduce-scatter bytes); the run summary names it (`describe`: "reduce-fp32")
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
         reduce_dtype=torch.float32,

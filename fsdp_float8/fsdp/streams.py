@@ -38,7 +38,11 @@ def first_stream() -> Stream | None:
 def on_stream(stream: Stream | None):
     """Run the body on `stream` (the caller's, recorded by a hook that runs on it; None:
     the accelerator's default stream), then make the stream that was current wait for it."""
-    handle = torch.get_device_module(torch.accelerator.current_accelerator())
+    # a CUDA build of torch on a machine without a GPU names cuda as its accelerator though
+    # none is available: there the streams are the CPU's, as in `caller_stream`
+    handle: Any = torch.cpu
+    if torch.accelerator.is_available():
+        handle = torch.get_device_module(torch.accelerator.current_accelerator())
     if stream is None:
         stream = handle.default_stream()
     current = caller_stream()

@@ -32,10 +32,20 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.clone() for n, b in model.named_buffers()}
 
 
+# pipelining's shape-inference method: torch 2.13+ runs it with gradients enabled on the
+# stage's input (uninitialized memory on a later stage), torch 2.11 and 2.12 under no_grad
+# on zeros; the library recognises both by name (fsdp.delayed_state)
+_METHOD = next(
+    name
+    for name in ("_forward_metadata_inference", "_shape_inference")
+    if hasattr(PipelineStage, name)
+)
+
+
 def test_the_installed_torch_names_its_shape_inference() -> None:
     # a torch that renames pipelining's shape-inference methods fails here, not silently
     names = {code.co_name for code in shape_inference_codes()}
-    assert "_forward_metadata_inference" in names, names
+    assert _METHOD in names, (_METHOD, names)
 
 
 def _run_shape_inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +59,21 @@ def _run_shape_inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         _to_tensor=lambda t: t.detach().requires_grad_(t.requires_grad),
         _compute_outputs=lambda *args, module, **kw: module(*args, **kw),
     )
-    PipelineStage._forward_metadata_inference(stage, (x,), has_backward=True)
-    (out,) = stage._fwd_outputs_for_bwd_meta
-    return out
+    if _METHOD == "_forward_metadata_inference":
+        PipelineStage._forward_metadata_inference(stage, (x,), has_backward=True)
+        (out,) = stage._fwd_outputs_for_bwd_meta
+        return out
+    # the older method: under no_grad, on zeros of the input's shape, outputs kept as meta
+    stage.device, stage.stage_index = x.device, 0
+    seen: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda m, args, out: seen.append(out))
+    stage._configure_outputs_meta = lambda meta: None
+    try:
+        PipelineStage._shape_inference(stage, (x,))
+    finally:
+        handle.remove()
+    (out,) = seen
+    return out.detach().requires_grad_()  # what the caller's backward can run on
 
 
 def test_pipelining_shape_inference_feeds_no_history() -> None:
