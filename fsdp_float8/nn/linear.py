@@ -156,7 +156,7 @@ class _Float8LinearFn(torch.autograd.Function):
         if record is not None and record.forward is not None:
             record.inverse = x_inv
         ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
-        ctx.plan, ctx.states, ctx.x_shape, ctx.record = plan, states, x.shape, record
+        ctx.plan, ctx.states, ctx.record = plan, states, record
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
@@ -196,7 +196,10 @@ class _Float8LinearFn(torch.autograd.Function):
         gw_dtype = grad_out.dtype if plan.row_scaled_grad_weight else weight.dtype
         grad_w = _gemm(_t(go_gw), x_gw, Gemm.GRAD_WEIGHT, plan, gw_dtype, (go_gw_inv, x_gw_inv))
         grad_w = grad_w.to(weight.dtype)
-        return grad_x.reshape(ctx.x_shape), grad_w, None, None, None
+        # x's shape from grad_out's (no shape kept on ctx: a symbolic one there breaks torch
+        # 2.11's Dynamo on a dynamic-shape recompile)
+        grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
+        return grad_x, grad_w, None, None, None
 
 
 def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:

@@ -130,13 +130,14 @@ class _NVFP4LinearFn(torch.autograd.Function):
         emulate = layer.config.emulate
         out = nvfp4.nvfp4_mm(qx, _weight_record(weight), x.dtype, emulate=emulate)
         ctx.save_for_backward(x2, weight)
-        ctx.layer, ctx.in_shape = layer, x.shape
+        ctx.layer = layer  # no shape on ctx: a symbolic one breaks torch 2.11's Dynamo
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
         layer: NVFP4Linear = ctx.layer
+        x_shape = (*grad_out.shape[:-1], x2.shape[-1])
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])
         cfg = layer.config
         sr = cfg.stochastic_rounding
@@ -152,7 +153,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         qgo_t = nvfp4.quantize(go_t, _amax(go_t), nvfp4.ACTIVATION_BLOCK, generator=gen)
         qx_t = nvfp4.quantize(x_t, _amax(x_t), nvfp4.ACTIVATION_BLOCK)
         grad_w = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
-        return grad_x.reshape(ctx.in_shape), grad_w, None
+        return grad_x.reshape(x_shape), grad_w, None
 
 
 class NVFP4Linear(nn.Linear):

@@ -136,9 +136,7 @@ def shard(model: nn.Module, case: Case, mesh) -> nn.Module:
             block = checkpoint_wrapper(block)
             model.blocks[i] = block
         if case.compile:
-            # dynamic=False: torch 2.11's dynamo fails on a dynamic-shape recompile of
-            # Float8Linear (README, Torch versions); a static recompile traces the same ops
-            block.compile(backend="aot_eager", dynamic=False)
+            block.compile(backend="aot_eager")
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model

@@ -14,13 +14,19 @@ test_torchao_checkpoint_extras.py.
 from __future__ import annotations
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.torchao_checkpoint_cases import FIXTURE, load_with_fsdp_float8
+from tests.distributed.torchao_checkpoint_cases import (
+    FIXTURE,
+    load_with_fsdp_float8,
+    mesh_pickle_loads,
+)
 
 
 def check_loaded(reports: list[dict]) -> None:
     for rank, r in enumerate(reports):
         assert r["torchao_imported"] == [], (rank, r["torchao_imported"])
-        assert r["dcp"] == [] and r["rank_pt"] == [] and r["single_pt"] == [], (rank, r)
+        assert r["dcp"] == [] and r["single_pt"] == [], (rank, r)
+        # the per-rank files need torch 2.13+ (their DeviceMesh pickle: mesh_pickle_loads)
+        assert r["rank_pt"] == ([] if mesh_pickle_loads() else None), (rank, r["rank_pt"])
         resumed, reference = r["losses"]
         assert resumed == reference, (rank, resumed, reference)
 

@@ -103,11 +103,9 @@ def test_delayed_compiles_one_graph_for_any_number_of_micro_batches():
     convert_to_float8_training(model, config=make_config("tensorwise", "delayed"))
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     for layer in (model[0], model[2]):
-        # dynamic=False: the second layer's other shape would make dynamo recompile with
-        # dynamic shapes, which torch 2.11's dynamo cannot trace through the autograd
-        # function (AssertionError in overwrite_tensor_vt_proxy, whatever the layer's
-        # code). One static graph per layer shape is what this test counts.
-        layer.compile(backend=counter, fullgraph=True, dynamic=False)
+        # the second layer's other shape makes dynamo recompile the shared forward code with
+        # dynamic shapes: that graph serves every later shape too
+        layer.compile(backend=counter, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     graphs = []
     for _step in range(3):
@@ -119,3 +117,26 @@ def test_delayed_compiles_one_graph_for_any_number_of_micro_batches():
     # the two layers differ in shapes: one graph each, all compiled by the first forward
     assert graphs == [2] * 12, graphs
     assert model[0].delayed_scaling.syncs == 3  # after each optimizer step (one process: no seed)
+
+
+@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+def test_layers_of_two_shapes_trace_a_dynamic_shape_recompile(kind):
+    """Two layers of different shapes compiled with the default `dynamic=None`: dynamo
+    recompiles the shared forward code with dynamic shapes, which must trace on every
+    supported torch (no shape is kept on the autograd context) and give eager's numbers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, bias=False), nn.ReLU(), nn.Linear(48, 32, bias=False))
+    config = make_config(kind, "dynamic")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: True)
+    eager = copy.deepcopy(model)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    for layer in (model[0], model[2]):
+        layer.compile(backend=counter, fullgraph=True)
+    for tokens in (8, 24):
+        x = torch.randn(2, tokens, 64)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yc, ye = model(xc), eager(xe)
+        yc.float().square().sum().backward()
+        ye.float().square().sum().backward()
+        assert torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad), tokens
+    assert counter.frame_count >= 3  # a dynamic-shape recompile did happen
