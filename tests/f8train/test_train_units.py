@@ -27,7 +27,9 @@ def test_defaults_are_the_make_train_run() -> None:
     assert args.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert args.preset == "tiny" and args.recipe == "tensorwise" and args.precompute
     assert config.enable_fsdp_float8_all_gather
-    assert describe(args).startswith("tensorwise/dynamic fp8-all-gather precompute bf16 reduce-fp32")
+    assert describe(args).startswith(
+        "tensorwise/dynamic fp8-all-gather precompute bf16 reduce-fp32"
+    )
 
 
 def test_rowwise_float8_all_gather_is_explicit() -> None:
