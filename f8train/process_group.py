@@ -129,6 +129,21 @@ def _meshes(
     return full[tuple(names)], full["tp"]
 
 
+def start_failure_message(err: BaseException, timeout_s: float) -> str | None:
+    """What to tell the user when the process group did not form: a rank waited
+    ``--pg-timeout-s`` for peers that never joined (None for any other error)."""
+    if not isinstance(err, dist.DistStoreError) or "timeout" not in str(err).lower():
+        return None
+    first = str(err).strip().splitlines()[0]
+    return (
+        f"rank {os.environ.get('RANK', '?')}: the process group did not form within "
+        f"--pg-timeout-s {timeout_s:g} s ({first}): another rank never joined. It stopped at "
+        "start-up (its node's log, or torchrun's failure summary there, says why: e.g. a "
+        "flag it refused), or its node was not started. Start every node with the same "
+        "command."
+    )
+
+
 def collective_failure_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
     """What to tell the user when ``err`` is a collective that timed out, or one whose peer
     went away (the first rank to time out exits, and its peers then see a closed

@@ -322,7 +322,12 @@ def same_data_problem(data: TokenData) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     with argument_time():  # under torchrun, rank 0 alone prints a refusal
         args, config = check_arguments(argv)
-    d = pg.init_distributed(args)
+    try:
+        d = pg.init_distributed(args)
+    except RuntimeError as err:
+        if (message := pg.start_failure_message(err, args.pg_timeout_s)) is None:
+            raise
+        raise SystemExit(message) from None
     try:
         why = pg.broadcast_from_0(acquire_lock(Path(args.out)) if d.is_main else None)
         if why is not None:  # every rank stops, naming the job that holds --out

@@ -2,11 +2,11 @@
 each, a static rendezvous) that differ the way two nodes' commands can.
 
 - Other ``--steps`` on each node: the ranks compare their flags right after the process
-  group starts and all stop, naming the flag and the ranks holding each value (without
-  the check: a gloo abort after step 1, naming nothing).
+  group starts and all stop, naming the flag and the ranks holding each value.
+- ``--steps 0`` on node 1 only, which it refuses at argument time: node 0 ends after
+  ``--pg-timeout-s``, saying that a rank never joined and where to look.
 - Another ``--out`` on each node (no shared file system): the ranks stop at start-up,
-  naming ``--out`` and the rank that cannot see rank 0's file (without the check: a raw
-  ``FileNotFoundError`` at the first save).
+  naming ``--out`` and the rank that cannot see rank 0's file, before anything is saved.
 - Another ``--data`` corpus on each node: the ranks stop before building the model, naming
   ``--data`` and the token counts.
 - The same command with a shared ``--out``: trains (the checks pass what must pass).
@@ -80,6 +80,19 @@ def test_nodes_with_other_flags_stop_naming_the_flag(tmp_path: Path) -> None:
         assert "--steps: rank 0 2, rank 1 3" in r.stderr, said
     assert "SIGABRT" not in said and 'f8train/train.py", line' not in said  # no traceback
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before step 1
+
+
+def test_a_node_that_refuses_its_flags_ends_the_other_with_a_message(tmp_path: Path) -> None:
+    """Node 1 refuses --steps 0 at argument time; node 0 waits --pg-timeout-s for it in the
+    process group's start and then says what it waited for, without a traceback."""
+    out = ["--out", str(tmp_path / "run"), "--pg-timeout-s", "5"]
+    results = _two_nodes([[*out, "--steps", "2"], [*out, "--steps", "0"]])
+    said = _said(results)
+    assert all(r.returncode != 0 for r in results), said
+    assert "argument --steps: expected an integer >= 1, got '0'" in results[1].stderr, said
+    text = "rank 0: the process group did not form within --pg-timeout-s 5 s"
+    assert text in results[0].stderr and "another rank never joined" in results[0].stderr, said
+    assert 'f8train/train.py", line' not in said  # no traceback
 
 
 def test_nodes_with_their_own_out_stop_naming_it(tmp_path: Path) -> None:
