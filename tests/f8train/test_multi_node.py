@@ -19,6 +19,8 @@ import socket
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.f8train.launch import REPO, TINY, torchrun_command
 
 TIMEOUT_S = 150
@@ -82,6 +84,7 @@ def test_nodes_with_other_flags_stop_naming_the_flag(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before step 1
 
 
+@pytest.mark.slow  # node 1 waits 30 s for torchrun to end it (f8train/rank_exit.py)
 def test_a_node_that_refuses_its_flags_ends_the_other_with_a_message(tmp_path: Path) -> None:
     """Node 1 refuses --steps 0 at argument time; node 0 waits --pg-timeout-s for it in the
     process group's start and then says what it waited for, without a traceback."""
