@@ -3,9 +3,12 @@
 A save writes the ``Stateful`` objects below (DCP reshards on load: a 2-rank checkpoint loads
 on 1 or 4), then ``manifest.json``: each file's size and sha256 (each rank hashes a share)
 and the run settings. The manifest marks a finished save; ``verify`` checks a folder against
-it and gives every rank the same sorted findings. Nothing that could load is deleted: a
-folder without a manifest is an interrupted save only when ``dcp_problem`` finds why DCP
-could not load it; a loadable one in a save's way is renamed ``step_N.set_aside``.
+it and gives every rank the same sorted findings. DCP's ``.metadata`` is a pickle, which
+can run code when loaded: nothing in a folder is unpickled before the folder is verified
+against its manifest, and a folder without a valid manifest is never loaded. Nothing that
+could load is deleted: a folder without a manifest is an interrupted save only when
+``dcp_problem`` (file names alone) finds DCP's files missing; one in a save's way is renamed
+``step_N.set_aside``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import errno
 import hashlib
 import json
 import os
-import pickle
 import re
 import resource
 import shutil
@@ -61,26 +63,13 @@ def aside_name(path: Path, suffix: str) -> Path:
 
 
 def dcp_problem(path: Path) -> str | None:
-    """Why DCP could not load the folder ``path`` (None: ``.metadata`` reads and every file
-    it names is on disk, long enough for the bytes it needs there)."""
-    meta = Path(path) / ".metadata"
-    if not meta.is_file():
+    """Why the folder ``path`` is not a finished DCP save, from its file names alone (None:
+    it has ``.metadata`` and a ``.distcp`` data file). Nothing is opened: ``.metadata`` is a
+    pickle, read only from a checkpoint verified against its manifest."""
+    if not (Path(path) / ".metadata").is_file():
         return "no .metadata (DCP's save did not finish)"
-    try:
-        with open(meta, "rb") as f:
-            metadata = pickle.load(f)
-        needs: dict[str, int] = {}
-        for info in metadata.storage_data.values():
-            end = int(info.offset) + int(info.length)
-            needs[info.relative_path] = max(needs.get(info.relative_path, 0), end)
-    except Exception as err:  # a truncated or foreign file: any unpickling error
-        return f".metadata cannot be read ({type(err).__name__})"
-    for name, end in sorted(needs.items()):
-        file = Path(path) / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size < end:
-            return f"{name} has {file.stat().st_size} bytes, .metadata needs {end}"
+    if not any(p.is_file() for p in Path(path).glob("*.distcp")):
+        return "no .distcp data file (DCP's save did not finish)"
     return None
 
 
@@ -129,12 +118,34 @@ def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"no {MANIFEST} (the save did not finish, or f8train.train did not write it)"
     try:
         manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, f"{MANIFEST} cannot be read ({err})"
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
-        return None, f"{MANIFEST} is not a format-{FORMAT} manifest with a file list"
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        return None, f"{MANIFEST} cannot be read ({type(err).__name__}: {err})"
+    if (problem := _manifest_shape_problem(manifest)) is not None:
+        return None, (
+            f"{MANIFEST} is not a format-{FORMAT} manifest with a file list ({problem}); "
+            "f8train.train writes it at the end of each save"
+        )
     return manifest, None
+
+
+def _manifest_shape_problem(manifest: object) -> str | None:
+    """What in ``manifest`` (parsed JSON) is not as ``write_manifest`` writes it."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    if manifest.get("format") != FORMAT:
+        return f"format {manifest.get('format')!r}"
+    step, files = manifest.get("step"), manifest.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r}, not a step number"
+    if not isinstance(manifest.get("settings"), dict | None):
+        return "settings are not an object"
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "no file list naming .metadata"
+    for name, entry in files.items():
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or not isinstance(entry.get("sha256"), str):
+            return f"the entry of {name!r} is not bytes and sha256"
+    return None
 
 
 def _check(path: Path, name: str, expected: dict[str, Any]) -> str | None:
@@ -246,7 +257,8 @@ class Checkpointer:
         return next(reversed(self.complete()), None)
 
     def may_load(self, path: Path) -> bool:
-        """Complete, or without a manifest but with every file DCP needs (in doubt)."""
+        """Complete, or without a manifest but with DCP's files (in doubt: kept, never
+        loaded)."""
         return self.is_complete(path) or dcp_problem(path) is None
 
     def path_for(self, step: int) -> Path:
@@ -315,8 +327,8 @@ class Checkpointer:
         )
 
     def _clear(self, path: Path) -> None:
-        """Make room for a save at ``path``: a loadable folder is renamed aside (never
-        deleted); an interrupted save, which DCP could not load, is removed."""
+        """Make room for a save at ``path``: a folder with a manifest or DCP's files is
+        renamed aside (never deleted); an interrupted save, without them, is removed."""
         if self.may_load(path):
             new = aside_name(path, SET_ASIDE)
             path.rename(new)
@@ -340,7 +352,7 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Complete checkpoints beyond the newest ``keep``, and interrupted saves older than
-        the newest; never a folder without a manifest that DCP could load."""
+        the newest; never a folder without a manifest that holds DCP's files."""
         complete = self.complete()
         newest = step_of(complete[-1]) if complete else -1
         for old in complete[: max(0, len(complete) - self.keep)]:

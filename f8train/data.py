@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import os
+import shutil
 import stat
 import sys
 import sysconfig
@@ -73,28 +75,110 @@ def _sorted_files(root: Path, pattern: str) -> list[Path]:
     return [found[k] for k in sorted(found) if not _EXCLUDED_DIRS.intersection(k.split("/"))]
 
 
+_CHUNK = 1 << 24  # 16 MiB: the most of a file held in memory at once
+_CACHE_MARGIN = 1.05  # the free space a cache build needs beyond its size
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of ``path`` (its nearest existing parent)."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+def _check_text(root: Path, path: Path, chunk: bytes, offset: int) -> None:
+    if (at := chunk.find(b"\0")) >= 0:
+        raise ValueError(
+            f"--data folder {root}: {path} {_binary_text(offset + at)}; move it out of "
+            "the folder (a folder is read as text files), or pass a token file alone as --data"
+        )
+
+
+def _file_digest(path: Path, root: Path, text_only: bool) -> str:
+    """The sha256 of a file's bytes, read a chunk at a time; ``text_only``: a NUL byte stops
+    the read, naming the file."""
+    digest, offset = hashlib.sha256(), 0
+    for chunk in _chunks(path):
+        if text_only:
+            _check_text(root, path, chunk, offset)
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _content_key(
+    root: Path, files: list[Path], cache_dir: Path, prefix: str, text_only: bool
+) -> str:
+    """A fingerprint of ``files``' names and contents. Each file's sha256 is kept in an index
+    next to the cache, with the stat record it was read under (size, mtime, ctime, inode):
+    an unchanged file is not read again, and any write changes its ctime, which no tool sets
+    back, so a same-size edit is read and hashed anew. A build needs room for two bytes per
+    byte of text: checked before any file is read."""
+    where = hashlib.sha256(os.fsencode(root.resolve())).hexdigest()[:16]
+    index_path = cache_dir / f"{prefix}-{where}.index.json"
+    try:
+        index = json.loads(index_path.read_text())
+        index = index if isinstance(index, dict) else {}
+    except (OSError, ValueError):
+        index = {}
+    names = [p.relative_to(root).as_posix() for p in files]
+    stats = [p.stat() for p in files]
+    records = [[s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino] for s in stats]
+    known: list[str | None] = []
+    for name, record in zip(names, records, strict=True):
+        entry = index.get(name)
+        fits = isinstance(entry, list) and len(entry) == 5 and entry[:4] == record
+        known.append(entry[4] if fits else None)
+    if None in known:  # something to read: maybe a build after it
+        need = int(2 * sum(s.st_size for s in stats) * _CACHE_MARGIN)
+        if _free_bytes(cache_dir) < need:
+            total = sum(s.st_size for s in stats)
+            raise ValueError(
+                f"the token cache of {root} ({total:,} bytes of text, {need:,} bytes as "
+                f"uint16 tokens) does not fit in {cache_dir} ({_free_bytes(cache_dir):,} bytes "
+                f"free); free space there, or put the cache elsewhere with --cache-dir or "
+                f"{CACHE_ENV}"
+            )
+    digests = [
+        sha if sha is not None else _file_digest(path, root, text_only)
+        for path, sha in zip(files, known, strict=True)
+    ]
+    if known != digests:
+        entries = {n: [*r, d] for n, r, d in zip(names, records, digests, strict=True)}
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f"{index_path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries) + "\n")
+        os.replace(tmp, index_path)
+    listing = "".join(f"{n}\t{s.st_size}\t{d}\n" for n, s, d in zip(names, stats, digests))
+    return hashlib.sha256(listing.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
 def _byte_cache(
     root: Path, files: list[Path], cache_dir: Path, prefix: str, *, text_only: bool = False
 ) -> np.ndarray:
     """``files`` concatenated as bytes into a uint16 token file named by a fingerprint of
-    their names and sizes (built once; atomic rename), memory-mapped. ``text_only``: a file
-    holding a NUL byte stops the build, naming it (a binary file would train as text)."""
-    listing = "".join(f"{p.relative_to(root).as_posix()}\t{p.stat().st_size}\n" for p in files)
-    cache_path = cache_dir / f"{prefix}-{hashlib.sha256(listing.encode()).hexdigest()[:16]}.u16.bin"
+    their names and contents (``_content_key``; built once, a chunk at a time; atomic
+    rename), memory-mapped. ``text_only``: a file holding a NUL byte stops the build, naming
+    it (a binary file would train as text)."""
+    key = _content_key(root, files, cache_dir, prefix, text_only)
+    cache_path = cache_dir / f"{prefix}-{key}.u16.bin"
     if not cache_path.exists():
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_path.with_name(f"{cache_path.name}.tmp{os.getpid()}")
         try:
             with open(tmp, "wb") as out:
                 for path in files:
-                    raw = path.read_bytes()
-                    if text_only and (at := raw.find(b"\0")) >= 0:
-                        raise ValueError(
-                            f"--data folder {root}: {path} {_binary_text(at)}; move it out of "
-                            "the folder (a folder is read as text files), or pass a token "
-                            "file alone as --data"
-                        )
-                    out.write(np.frombuffer(raw, dtype=np.uint8).astype(np.uint16))
+                    offset = 0
+                    for chunk in _chunks(path):
+                        if text_only:
+                            _check_text(root, path, chunk, offset)
+                        out.write(np.frombuffer(chunk, dtype=np.uint8).astype(np.uint16))
+                        offset += len(chunk)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

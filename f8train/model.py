@@ -285,7 +285,10 @@ class Transformer(nn.Module):
 
 def _initial_value(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int) -> torch.Tensor:
     """The float32 CPU init of parameter ``name``; depends only on (seed, name, shape)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    # modulo 2**64, what a torch generator takes: every --seed (0 .. 2**64 - 1) works
+    generator = torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64
+    )
     if len(shape) == 1:  # RMSNorm weights
         return torch.ones(shape)
     if name == "tok_embeddings.weight":  # tied, it is also the head: small std keeps logits O(1)

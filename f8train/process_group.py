@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +97,9 @@ def init_distributed(args: argparse.Namespace) -> Dist:
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, device_id=device, timeout=timeout
     )
+    if (problem := flags_problem(args)) is not None:  # before any collective they shape
+        dist.destroy_process_group()
+        raise SystemExit(problem)
     world = dist.get_world_size()
     mesh, tp_mesh = _meshes(device_type, world, args.hsdp_replicate, tp)
     return Dist(dist.get_rank(), world, device or torch.device("cpu"), mesh, tp_mesh, tp)
@@ -122,6 +129,21 @@ def _meshes(
     return full[tuple(names)], full["tp"]
 
 
+def start_failure_message(err: BaseException, timeout_s: float) -> str | None:
+    """What to tell the user when the process group did not form: a rank waited
+    ``--pg-timeout-s`` for peers that never joined (None for any other error)."""
+    if not isinstance(err, dist.DistStoreError) or "timeout" not in str(err).lower():
+        return None
+    first = str(err).strip().splitlines()[0]
+    return (
+        f"rank {os.environ.get('RANK', '?')}: the process group did not form within "
+        f"--pg-timeout-s {timeout_s:g} s ({first}): another rank never joined. It stopped at "
+        "start-up (its node's log, or torchrun's failure summary there, says why: e.g. a "
+        "flag it refused), or its node was not started. Start every node with the same "
+        "command."
+    )
+
+
 def collective_failure_message(err: BaseException, rank: int, timeout_s: float) -> str | None:
     """What to tell the user when ``err`` is a collective that timed out, or one whose peer
     went away (the first rank to time out exits, and its peers then see a closed
@@ -142,3 +164,88 @@ def collective_failure_message(err: BaseException, rank: int, timeout_s: float) 
             f"({first}). That rank stopped or crashed first: its log says why."
         )
     return None
+
+
+# flags that name a path on this node: they may differ where nodes mount a shared folder at
+# other paths (--out is checked by what the ranks see in it, --data by its tokens)
+PER_NODE_FLAGS = frozenset({"out", "data", "cache_dir"})
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-3``, ``ranks 0, 2``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def differences(values: list[dict[str, Any]], show=repr) -> list[str]:
+    """One line per key whose value differs across ranks (``values[r]``: rank r's):
+    ``key: ranks 0-3 V, ranks 4-7 W``."""
+    lines = []
+    for key in sorted(set().union(*values)):
+        holders: dict[str, list[int]] = {}
+        for rank, mine in enumerate(values):
+            holders.setdefault(show(mine.get(key)), []).append(rank)
+        if len(holders) > 1:
+            lines.append(f"{key}: " + ", ".join(f"{ranks_text(r)} {v}" for v, r in holders.items()))
+    return lines
+
+
+def flags_problem(args: argparse.Namespace) -> str | None:
+    """Every rank must run with the same flags (the steps, the batch, the model, the
+    recipe...), or their collectives differ in number and size and the job aborts or
+    hangs later, naming nothing: the flags of every rank are gathered and compared
+    (collective); the flags that name a node's own paths are left out."""
+    mine = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items() if k not in PER_NODE_FLAGS}
+    lines = differences(all_gather_object(mine))
+    if not lines:
+        return None
+    listed = "\n".join(f"  {line}" for line in lines)
+    return (
+        f"rank {dist.get_rank()}: the ranks were started with different flags:\n{listed}\n"
+        "every rank must run the same training flags: start every node with the same "
+        "command (only the launcher's node rank may differ)"
+    )
+
+
+SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's file (a network file system's lag)
+
+
+def out_shared_problem(out: Path) -> str | None:
+    """Every rank writes its checkpoint shards under ``--out``, which must therefore be one
+    folder that all of them see: rank 0 writes a file with a random name there, the others
+    look for it (collective; rank 0 removes it)."""
+    rank, world = rank_world()
+    if world == 1:
+        return None
+    name = broadcast_from_0(f".shared_check_{secrets.token_hex(8)}" if rank == 0 else None)
+    path = Path(out) / name
+    if rank == 0:
+        path.write_text(name)
+    dist.barrier()  # written before anyone looks
+    deadline = time.monotonic() + SHARED_WAIT_S
+    while not (seen := _holds(path, name)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    found = all_gather_object((seen, socket.gethostname()))
+    if rank == 0:
+        path.unlink(missing_ok=True)
+    blind = [r for r, (ok, _) in enumerate(found) if not ok]
+    if not blind:
+        return None
+    hosts = sorted({found[r][1] for r in blind})
+    return (
+        f"--out {out} is not one folder shared by all ranks: {ranks_text(blind)} (on "
+        f"{', '.join(hosts)}) do not see the file {name} that rank 0 (on {found[0][1]}) "
+        f"wrote in it within {SHARED_WAIT_S:g} s. Every rank writes its checkpoint shards "
+        "there and rank 0 the manifest, so --out must be a folder on a file system that "
+        "every node mounts (NFS, Lustre, ...): pass such a folder as --out on every node"
+    )
+
+
+def _holds(path: Path, text: str) -> bool:
+    try:
+        return path.read_text() == text
+    except OSError:
+        return False

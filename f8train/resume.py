@@ -3,9 +3,13 @@
 ``find_resume`` is a collective (every rank reaches the same answer): ``--resume CKPT``
 takes that one, otherwise the newest intact one; its files are verified against their
 manifest and the settings it depends on (``checkpoint_settings``) compared with this run's.
+A folder without a valid manifest is never resumed from (DCP's ``.metadata`` is a pickle,
+and nothing unverified is unpickled): a newer one in doubt (DCP files, no manifest) stops
+the run, an older one is named and skipped, ``--resume`` of one is refused;
+``python -m f8train.resume --trust CKPT`` writes the manifest of a folder its owner trusts.
 No folder DCP could load is deleted: a damaged newer one is renamed ``step_N.damaged``, the
-newer ones than the one resumed from ``step_N.set_aside``; a newer one in doubt (DCP files,
-no manifest) stops the run. docs/trainer.md and docs/reliability.md give every case.
+newer ones than the one resumed from ``step_N.set_aside``. docs/trainer.md and
+docs/reliability.md give every case.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from f8train.checkpoint import (
     step_of,
     verify,
     warn,
+    write_manifest,
 )
 from f8train.float8_flags import default_all_gather, parse_static_scales
 from f8train.model import build_args
-from f8train.process_group import broadcast_from_0
+from f8train.process_group import broadcast_from_0, rank_world
 
 RECIPE_SETTINGS = frozenset({"recipe", "fp8_all_gather", "float8_skip"})
 _MODEL_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of")
@@ -150,7 +155,6 @@ class ResumePoint:
     changed: list[str] = field(default_factory=list)  # settings allowed to differ
     damaged: list[Path] = field(default_factory=list)  # passed over, renamed (new names)
     set_aside: list[Path] = field(default_factory=list)  # newer ones, renamed (new names)
-    unverified: bool = False  # no manifest: files not checked against checksums
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,6 @@ class _Candidate:
     path: Path
     manifest: dict[str, Any]
     damaged: list[tuple[Path, list[str]]] = field(default_factory=list)  # newer, passed over
-    unverified: bool = False
 
 
 def find_resume(
@@ -184,23 +187,13 @@ def find_resume(
             text += f"\n(newer checkpoint {path} is damaged, so it was not the candidate:\n"
             text += f"{_describe(problems)})"
         raise SystemExit(text)
-    if found.unverified and ckpt.is_main:
-        how = (
-            "not compared (no run.json)"
-            if saved is None
-            else f"compared with {_run_json(found.path)}"
-        )
-        warn(
-            f"WARNING: resuming from {found.path}, which has no {MANIFEST}: its files are not "
-            f"verified against checksums; settings {how}"
-        )
     step = int(found.manifest["step"])
     moved = _set_aside(found.damaged, "damaged", found.path, ckpt.is_main)
     why = f"newer than the checkpoint resumed from ({found.path})"
     newer = [p for p in _loadable(ckpt) if step_of(p) > step and p != found.path]
     aside = [(p, [f"{p.name}: {why}"]) for p in newer]
     aside = _set_aside(aside, SET_ASIDE, found.path, ckpt.is_main)
-    return ResumePoint(found.path, step, changed, moved, aside, found.unverified)
+    return ResumePoint(found.path, step, changed, moved, aside)
 
 
 def _loadable(ckpt: Checkpointer) -> list[Path]:
@@ -226,9 +219,12 @@ def _resume_instead(path: Path) -> str:
 def _explicit(path: Path) -> _Candidate:
     if not path.is_dir():
         raise SystemExit(f"--resume {path}: no such checkpoint folder")
-    if not (path / MANIFEST).exists() and broadcast_from_0(dcp_problem(path)) is None:
-        saved = saved_settings_from_run_json(Path(_run_json(path)))
-        return _Candidate(path, {"step": step_of(path), "settings": saved}, unverified=True)
+    if not broadcast_from_0((path / MANIFEST).exists() if rank_world()[0] == 0 else None):
+        raise SystemExit(
+            f"--resume {path}: the folder has no {MANIFEST}, so its files cannot be verified "
+            f"before DCP unpickles its .metadata{_UNPICKLE}. It is not resumed from; nothing "
+            f"was moved or deleted. {_trust_remedy(path)}"
+        )
     manifest, problems = verify(path)
     if not problems:
         return _Candidate(path, manifest)
@@ -252,11 +248,19 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
     doubt = [p for p in _loadable(ckpt) if step_of(p) > newest_step]  # none has a manifest
     if doubt:
         _stop_in_doubt(ckpt, doubt, newest)
-    for path in ckpt.step_dirs():  # an interrupted save newer than all: said, not skipped
-        if ckpt.is_main and step_of(path) > newest_step and (path / ".metadata").is_file():
+    for path in ckpt.step_dirs() if ckpt.is_main else []:  # said, not skipped silently
+        if ckpt.is_complete(path) or not (path / ".metadata").is_file():
+            continue
+        if step_of(path) > newest_step:
             warn(
                 f"note: {path} has DCP files but no {MANIFEST} and cannot be loaded "
                 f"({dcp_problem(path)}): an interrupted save, not resumed from"
+            )
+        else:
+            warn(
+                f"note: {path} has DCP files but no {MANIFEST}, so its files cannot be "
+                "verified: not resumed from, nor unpickled (kept; older than the newest "
+                "checkpoint with a manifest)"
             )
     if newest is None:
         if args.resume == "latest":
@@ -281,19 +285,30 @@ def _newest_intact(args: argparse.Namespace, ckpt: Checkpointer) -> _Candidate |
 
 
 def _stop_in_doubt(ckpt: Checkpointer, doubt: list[Path], newest: Path | None) -> None:
-    """Folders newer than every complete checkpoint that DCP could load, but without a
-    manifest, are neither skipped nor overwritten: the run stops and says how to go on."""
+    """Folders newer than every complete checkpoint with DCP's files but without a manifest
+    are neither skipped nor overwritten: the run stops and says how to go on."""
     names = _describe([str(p) for p in doubt])
     if newest is None:
-        other = "or start a new run with another --out"
+        other = "start a new run with another --out"
     else:
-        other = f"or resume from the newest verified checkpoint: {_resume_instead(newest)}"
+        other = f"resume from the newest verified checkpoint: {_resume_instead(newest)}"
     raise SystemExit(
-        f"checkpoint folders in doubt under {ckpt.root}:\n{names}\nthey hold DCP files that "
-        f"look loadable (.metadata and every file it names) but no {MANIFEST} (saved before "
-        "manifests existed, or the manifest was lost), so their files cannot be verified. "
-        "Nothing was deleted or renamed. Resume from the newest: --resume "
-        f"{doubt[-1]} (its settings are compared with {_run_json(doubt[-1])}), {other}."
+        f"checkpoint folders in doubt under {ckpt.root}:\n{names}\nthey hold DCP files "
+        f"(.metadata and .distcp data) but no {MANIFEST} (saved before manifests existed, or "
+        "the manifest was lost), so their files cannot be verified, and they are not "
+        f"resumed from: DCP's .metadata is a pickle{_UNPICKLE}. Nothing was deleted or "
+        f"renamed. {_trust_remedy(doubt[-1])} Or {other}."
+    )
+
+
+_UNPICKLE = " (unpickling a file runs whatever code it holds)"
+
+
+def _trust_remedy(path: Path) -> str:
+    return (
+        f"If you trust {path} (you or your job wrote it, and no one else can write to it), "
+        f"write its manifest with `python -m f8train.resume --trust {path}` and rerun with "
+        f"--resume {path}."
     )
 
 
@@ -317,3 +332,35 @@ def _set_aside(
     if dist.is_initialized():
         dist.barrier()  # renamed before any rank lists checkpoints again
     return moved
+
+
+def trust(path: Path) -> str:
+    """Write the manifest of a checkpoint folder that has DCP's files but none, with the
+    settings of the ``run.json`` next to it (none when it is missing); what was done."""
+    path = Path(path)
+    if step_of(path) < 0 or not path.is_dir():
+        raise SystemExit(f"--trust {path}: not a checkpoint folder (expected .../step_N)")
+    if (path / MANIFEST).exists():
+        raise SystemExit(f"--trust {path}: it has a {MANIFEST} already; nothing to do")
+    if (problem := dcp_problem(path)) is not None:
+        raise SystemExit(f"--trust {path}: not a finished DCP save ({problem})")
+    saved = saved_settings_from_run_json(Path(_run_json(path)))
+    write_manifest(path, step=step_of(path), settings=saved)
+    how = f"settings from {_run_json(path)}" if saved else "no settings (no run.json)"
+    return f"wrote {path / MANIFEST}: checksums of its files as they are now, {how}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m f8train.resume",
+        description="Write the manifest of a checkpoint folder saved without one, so that "
+        "f8train.train may resume from it. Only for a folder you trust: loading it unpickles "
+        "its .metadata, which runs whatever code that file holds.",
+    )
+    parser.add_argument("--trust", required=True, metavar="CKPT", help="a step_N folder")
+    print(trust(Path(parser.parse_args(argv).trust)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -28,6 +28,23 @@ def _owner(path: Path) -> dict:
         return {}
 
 
+def _well_formed(owner: object) -> bool:
+    """A lock as ``acquire_lock`` writes it: a string host, an integer pid, a finite start
+    time."""
+    if not isinstance(owner, dict) or not {"host", "pid", "started"} <= owner.keys():
+        return False
+    host, pid, started = owner["host"], owner["pid"], owner["started"]
+    number = isinstance(started, int | float) and not isinstance(started, bool)
+    return (
+        isinstance(host, str)
+        and isinstance(pid, int)
+        and not isinstance(pid, bool)
+        and pid > 0
+        and number
+        and 0 <= started < 2**40  # seconds since 1970: time.gmtime takes it
+    )
+
+
 def _owner_text(owner: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(owner.get("started", 0)))
     return f"pid {owner.get('pid')} on host {owner.get('host')}, started {started}"
@@ -57,9 +74,10 @@ def acquire_lock(out: Path) -> str | None:
             return None
         except FileExistsError:
             owner = _owner(path)
-        if not isinstance(owner, dict) or not {"host", "pid", "started"} <= owner.keys():
+        if not _well_formed(owner):
             return (
-                f"--out {out}: the lock file {path} is empty or unreadable, so the job that "
+                f"--out {out}: the lock file {path} is empty or unreadable (expected JSON "
+                "with a string host, an integer pid and a number started), so the job that "
                 "made it cannot be told: one that is starting now writes it within a "
                 "moment, one killed while writing it left it so. If no job is using "
                 f"--out {out}, delete {path} and rerun."
@@ -85,7 +103,11 @@ def release_lock(out: Path) -> None:
     """Remove the lock if this process holds it."""
     path = Path(out) / LOCK
     owner = _owner(path)
-    if owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
+    if (
+        _well_formed(owner)
+        and owner["pid"] == os.getpid()
+        and owner.get("host") == socket.gethostname()
+    ):
         path.unlink(missing_ok=True)
 
 

@@ -14,6 +14,7 @@ optimizer and LR step. A run whose ``--out`` holds a checkpoint resumes from it
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -62,6 +64,8 @@ class Trainer:
         self.args, self.config, self.d, self.out = args, config, d, Path(args.out)
         torch.manual_seed(args.seed)
         self.data = load_data(args)
+        if (why := same_data_problem(self.data)) is not None:
+            raise SystemExit(why)
         # the ranks of a tensor-parallel group read the same batch: split over dp only
         layout = dict(seq_len=args.seq_len, global_batch=args.global_batch)
         layout |= dict(rank=d.rank // d.tp, world_size=d.world_size // d.tp)
@@ -298,13 +302,37 @@ def load_data(args: argparse.Namespace) -> TokenData:
     return data
 
 
+def same_data_problem(data: TokenData) -> str | None:
+    """Every rank must read the same tokens (the batches are drawn from one shared corpus):
+    their count and a hash of the first and last 2**19 tokens are compared (collective)."""
+    tokens = np.asarray(data.tokens)
+    edges = hashlib.sha256(tokens[: 1 << 19].tobytes() + tokens[-(1 << 19) :].tobytes())
+    mine = {"tokens": len(tokens), "sha256 of the first and last 2**19": edges.hexdigest()[:16]}
+    lines = pg.differences(pg.all_gather_object(mine), show=str)
+    if not lines:
+        return None
+    listed = "\n".join(f"  {line}" for line in lines)
+    return (
+        f"--data: the ranks read different data ({data.source} on this rank):\n{listed}\n"
+        "every rank must read the same corpus: give each node the same --data (a copy "
+        "with the same files, or a shared folder)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     with argument_time():  # under torchrun, rank 0 alone prints a refusal
         args, config = check_arguments(argv)
-    d = pg.init_distributed(args)
+    try:
+        d = pg.init_distributed(args)
+    except RuntimeError as err:
+        if (message := pg.start_failure_message(err, args.pg_timeout_s)) is None:
+            raise
+        raise SystemExit(message) from None
     try:
         why = pg.broadcast_from_0(acquire_lock(Path(args.out)) if d.is_main else None)
         if why is not None:  # every rank stops, naming the job that holds --out
+            raise SystemExit(why)
+        if (why := pg.out_shared_problem(Path(args.out))) is not None:
             raise SystemExit(why)
         return Trainer(args, config, d).run()
     except RuntimeError as err:

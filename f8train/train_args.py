@@ -257,6 +257,12 @@ def tp_problem(args: argparse.Namespace) -> str | None:
         return f"--seq-len {args.seq_len} is not a multiple of --tp {args.tp} (sequence parallel)"
     if args.recipe != "off" and args.scaling == "delayed":
         return "delayed scaling is not supported under tensor parallelism; use --scaling dynamic"
+    if args.recipe == "nvfp4":
+        return (
+            "--recipe nvfp4 is not supported under tensor parallelism (NVFP4 layers have no "
+            "tensor-parallel sharding); use --recipe tensorwise, rowwise or rowwise_with_gw_hp "
+            "with --tp, or drop --tp"
+        )
     if args.recipe in ("blockwise", "mxfp8"):
         return (
             f"--recipe {args.recipe} (block scales) is not supported under tensor parallelism "

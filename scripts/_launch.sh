@@ -5,15 +5,24 @@
 #   PYTHON   the interpreter whose torch runs (default: python3)
 #   DEVICE   --device of the trainer (default: cuda; cpu with gloo for a dry run). Flags
 #            after the script's name come later on the command line, so they win.
-#   DRY_RUN  1: print the command, run nothing
+#   DRY_RUN  1, yes, true, on, y: print the command, run nothing; 0, no, false, off, n or
+#            empty (the default): run it; any other value is refused
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
-DRY_RUN=${DRY_RUN:-0}
 TORCHRUN=("$PYTHON" -m torch.distributed.run)
 export PYTHONUNBUFFERED=1
+
+case "$(printf '%s' "${DRY_RUN:-}" | tr '[:upper:]' '[:lower:]')" in
+  1 | yes | y | true | on) DRY_RUN=1 ;;
+  0 | no | n | false | off | "") DRY_RUN=0 ;;
+  *)
+    echo "$(basename "$0"): DRY_RUN=$DRY_RUN is neither yes nor no; set DRY_RUN=1 (or yes, true, on) to print the command only, DRY_RUN=0 (or no, false, off, or unset) to run it" >&2
+    exit 2
+    ;;
+esac
 
 need_int() { # need_int NAME VALUE: a positive integer, or exit naming the variable
   if ! [[ "$2" =~ ^[1-9][0-9]*$ ]]; then

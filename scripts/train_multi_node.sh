@@ -22,6 +22,10 @@ need_int NGPU "$NGPU"
 need_int NNODES "$NNODES"
 MASTER_PORT=${MASTER_PORT:-29500}
 if [ -n "${NODE_RANK:-}" ]; then
+  if ! [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || ((10#$NODE_RANK >= NNODES)); then
+    echo "$(basename "$0"): NODE_RANK=$NODE_RANK is not a node of the job: expected 0 .. $((NNODES - 1)) with NNODES=$NNODES (0 on MASTER_ADDR); set each node's own NODE_RANK, or NNODES to the number of nodes" >&2
+    exit 2
+  fi
   : "${MASTER_ADDR:?set MASTER_ADDR to the host of node rank 0}"
   RDZV=(--node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
 else

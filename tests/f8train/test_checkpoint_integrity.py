@@ -63,6 +63,8 @@ DAMAGE = {
     "truncated_metadata": lambda ck: _truncate(ck / ".metadata"),
     "deleted_shard": lambda ck: (ck / "__1_0.distcp").unlink(),
     "truncated_manifest": lambda ck: _truncate(ck / MANIFEST),
+    "manifest_a_list": lambda ck: (ck / MANIFEST).write_text("[]"),
+    "manifest_a_string": lambda ck: (ck / MANIFEST).write_text('"x"'),
 }
 
 
@@ -159,6 +161,10 @@ def test_damaged_checkpoints_are_named_and_none_is_lost(tmp_path: Path) -> None:
         "truncated_metadata": ".metadata: ",
         "deleted_shard": "__1_0.distcp: missing (listed in the manifest, not on disk)",
         "truncated_manifest": f"{MANIFEST}: {MANIFEST} cannot be read",
+        "manifest_a_list": f"{MANIFEST}: {MANIFEST} is not a format-1 manifest with a file "
+        "list (a JSON list, not an object)",
+        "manifest_a_string": f"{MANIFEST}: {MANIFEST} is not a format-1 manifest with a file "
+        "list (a JSON str, not an object)",
     }
     for name, problem in expected_problem.items():
         out = r[name]

@@ -8,11 +8,13 @@ in the loop). Checked every time: both ranks reach the same decision, and every 
 was there before is still there afterwards (possibly under a ``.set_aside`` name).
 
 - ``legacy_newest``: step 3 has DCP files but no ``manifest.json`` (saved before manifests
-  existed): the run used to take it for an interrupted save, restart at step 0 and delete
-  it at the next save. Now it stops, names it, and offers ``--resume`` of it or of step 2.
+  existed, or the manifest was lost): a fresh start would delete it at the next save, and
+  resuming from it would unpickle an unverified ``.metadata``. The run stops, names it, and
+  offers ``--trust`` of it or ``--resume`` of step 2.
 - ``legacy_only``: no manifest anywhere: stops the same way (a fresh start would delete).
-- ``legacy_explicit``: ``--resume`` of that folder resumes from it unverified; its settings
-  come from the run's ``run.json`` (a differing ``--seed`` is refused by name).
+- ``legacy_explicit``: ``--resume`` of that folder is refused (nothing verified, nothing
+  unpickled); once ``python -m f8train.resume --trust`` wrote its manifest, with the
+  settings of the run's ``run.json``, it resumes (a differing ``--seed`` is refused by name).
 - ``rollback``: ``--resume`` of step 1 renames the newer complete step 2 and 3 aside.
 - ``save_over``: a save landing on a loadable folder renames it aside; pruning keeps an
   older folder without a manifest that could load, and removes an interrupted save.
@@ -32,6 +34,8 @@ import json
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -48,6 +52,7 @@ from f8train.checkpoint import (
 from f8train.resume import saved_settings_from_run_json
 from tests.distributed.launcher import run_distributed
 from tests.f8train.checkpoint_setup import find_resume_outcome, model_and_optimizer, resume_args
+from tests.f8train.launch import REPO
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -72,7 +77,7 @@ def _decide(args: argparse.Namespace, ckpt: Checkpointer, settings: dict) -> dic
     if point is None:
         return {"step": None, "stderr": stderr}
     aside = [p.name for p in point.set_aside]
-    return {"step": point.step, "unverified": point.unverified, "aside": aside}
+    return {"step": point.step, "aside": aside}
 
 
 def _cases(rank: int, world_size: int, tmp: str) -> dict:
@@ -119,8 +124,13 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict:
     legacy = str(ckpt.path_for(3))
     this_run = saved_settings_from_run_json(ckpt.root.parent / "run.json")
     other_seed = dict(this_run, seed=1)
-    case("legacy_other_seed", ckpt, resume_args(ckpt.root.parent, legacy), other_seed)
     case("legacy_explicit", ckpt, resume_args(ckpt.root.parent, legacy), this_run)
+    if rank == 0:  # its owner vouches for it
+        trust = [sys.executable, "-m", "f8train.resume", "--trust", legacy]
+        subprocess.run(trust, cwd=REPO, check=True, capture_output=True, timeout=60)
+    dist.barrier()
+    case("trusted_other_seed", ckpt, resume_args(ckpt.root.parent, legacy), other_seed)
+    case("trusted", ckpt, resume_args(ckpt.root.parent, legacy), this_run)
 
     ckpt = fresh("rollback")
     case("rollback", ckpt, resume_args(ckpt.root.parent, str(ckpt.path_for(1))), settings)
@@ -202,7 +212,7 @@ def test_loadable_checkpoints_are_never_deleted(tmp_path: Path) -> None:
     stop = out["stopped"]
     assert "checkpoint folders in doubt" in stop and str(legacy) in stop, stop
     assert f"but no {MANIFEST}" in stop and "Nothing was deleted or renamed" in stop
-    assert f"--resume {legacy}" in stop
+    assert f"python -m f8train.resume --trust {legacy}" in stop
     assert f"--resume {legacy.parent / 'step_00000002'}" in stop  # the other way on
     assert out["unchanged"]
 
@@ -210,15 +220,19 @@ def test_loadable_checkpoints_are_never_deleted(tmp_path: Path) -> None:
     assert str(root / "legacy_only" / "checkpoints" / "step_00000003") in stop, stop
     assert "another --out" in stop and r["legacy_only"]["unchanged"]
 
-    stop = r["legacy_other_seed"]["stopped"]
+    stop = r["legacy_explicit"]["stopped"]
+    legacy = root / "legacy_explicit" / "checkpoints" / "step_00000003"
+    assert f"--resume {legacy}: the folder has no {MANIFEST}" in stop, stop
+    assert f"--trust {legacy}" in stop and r["legacy_explicit"]["unchanged"]
+    stop = r["trusted_other_seed"]["stopped"]
     assert "--seed: checkpoint 0, this run 1" in stop, stop
-    assert r["legacy_other_seed"]["unchanged"]
-    out = r["legacy_explicit"]
-    assert out["step"] == 3 and out["unverified"] and out["aside"] == [], out
+    assert r["trusted_other_seed"]["unchanged"]
+    out = r["trusted"]
+    assert out["step"] == 3 and out["aside"] == [], out
     assert out["unchanged"]
 
     out = r["rollback"]
-    assert out["step"] == 1 and not out["unverified"], out
+    assert out["step"] == 1, out
     assert out["aside"] == ["step_00000002.set_aside", "step_00000003.set_aside"]
     assert out["kept"] and not out["unchanged"]
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from f8train import data as corpus
 from f8train.data import (
     TokenBatcher,
     TokenData,
@@ -197,3 +200,68 @@ def test_cache_dir_default_follows_the_environment(tmp_path: Path, monkeypatch) 
     data = load_tokens(small)
     assert data.cache == next((tmp_path / "mine").glob("dir-folder-*.u16.bin"))
     assert load_tokens(small / "a.txt").cache is None  # a file is read in place
+
+
+def test_folder_cache_follows_a_same_size_edit(tmp_path: Path, monkeypatch) -> None:
+    """The cache of a folder is keyed by the files' contents: an edit that keeps the size
+    and even the modification time trains on the new text; an unchanged folder is not read
+    again (its files' stat records match the index next to the cache)."""
+    folder, cache = tmp_path / "docs", tmp_path / "cache"
+    folder.mkdir()
+    text = folder / "a.txt"
+    text.write_bytes(b"old text " * 50)
+    first = load_tokens(folder, cache_dir=cache)
+    assert bytes(first.tokens[:8].astype(np.uint8)) == b"old text"
+    stat = text.stat()
+    text.write_bytes(b"new text " * 50)  # same size
+    os.utime(text, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the old mtime
+    second = load_tokens(folder, cache_dir=cache)
+    assert bytes(second.tokens[:8].astype(np.uint8)) == b"new text"
+    assert second.cache != first.cache
+
+    hashed: list[Path] = []
+    real = corpus._file_digest
+    monkeypatch.setattr(corpus, "_file_digest", lambda p, *a: hashed.append(p) or real(p, *a))
+    third = load_tokens(folder, cache_dir=cache)
+    assert hashed == [] and third.cache == second.cache  # stat only, no second read
+
+
+def test_folder_file_with_a_non_utf8_name_trains(tmp_path: Path) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"first ")
+    with open(os.fsencode(folder) + b"/b\xff.txt", "wb") as f:
+        f.write(b"second")
+    data = load_tokens(folder, cache_dir=tmp_path / "cache")
+    assert bytes(data.tokens.astype(np.uint8)) == b"first second"
+
+
+def test_folder_binary_file_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
+    """A large file of NUL bytes in a folder (sparse: no disk) is refused, naming it, after
+    reading one chunk of it: memory stays far below its size."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"text " * 100)
+    big = folder / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="holds NUL bytes") as err:
+            load_tokens(folder, cache_dir=tmp_path / "cache")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(big) in str(err.value)
+    assert peak < 64 << 20, peak
+
+
+def test_folder_cache_checks_the_free_space_before_reading(tmp_path: Path, monkeypatch) -> None:
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"text " * 1000)
+    monkeypatch.setattr(corpus, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(corpus, "_file_digest", lambda *a: pytest.fail("read before the check"))
+    with pytest.raises(ValueError, match="token cache") as err:
+        load_tokens(folder, cache_dir=tmp_path / "cache")
+    assert "5,000 bytes of text" in str(err.value) and "--cache-dir" in str(err.value), err.value

@@ -44,6 +44,16 @@ from f8train.train_args import parse_args
         (["--steps", "5", "--stop-at-step", "5"], "--stop-at-step 5 is not before --steps 5"),
         (["--recipe", "nvfp4", "--numerics-every", "5"], "--numerics-every has no effect with"),
         (["--data", __file__, "--cache-dir", "/tmp/x"], "but --data " + __file__ + " is one"),
+        (
+            ["--recipe", "nvfp4", "--preset", "moe_tiny"],
+            "--recipe nvfp4 cannot convert the experts of --preset moe_tiny (blocks.0."
+            "feed_forward.experts, blocks.1.feed_forward.experts, ...: no NVFP4 grouped GEMM); "
+            "keep them in high precision with --float8-skip '*.feed_forward.experts'",
+        ),
+        (
+            ["--recipe", "nvfp4", "--tp", "2", "--seq-len", "32"],
+            "argument --tp: --recipe nvfp4 is not supported under tensor parallelism",
+        ),
     ],
 )
 def test_ignored_flags_are_refused(argv, message, capsys, tmp_path: Path) -> None:
@@ -62,6 +72,8 @@ def test_flags_that_act_are_accepted(tmp_path: Path) -> None:
     assert parse_args(out).delayed_history == 16  # the default, resolved after the checks
     assert parse_args(["--float8-skip", "blocks.0.*", *out]).float8_skip == ["blocks.0.*"]
     assert parse_args(["--float8-skip", "*.feed_forward.w2", *out]).float8_skip
+    moe = ["--recipe", "nvfp4", "--preset", "moe_tiny", "--float8-skip", "*.experts", *out]
+    assert parse_args(moe).float8_skip == ["*.experts"]
 
 
 def test_binary_token_file_without_suffix_is_not_trained_as_text(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ build, an empty lock file, and ``f8train.compare --runs`` on a folder that holds
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -134,6 +135,27 @@ def test_an_empty_lock_says_so_and_how_to_clear_it(tmp_path: Path) -> None:
         assert "pid None" not in why and "1970" not in why
         assert f"delete {lock} and rerun" in why
         assert lock.read_text() == content  # not taken over: a job may be writing it
+
+
+@pytest.mark.parametrize(
+    "owner",
+    [
+        {"host": "h", "pid": 1, "started": "yesterday"},
+        {"host": "h", "pid": "one", "started": 0},
+        {"host": ["h"], "pid": 1, "started": 0},
+        {"host": "h", "pid": 1, "started": float("inf")},
+        ["host", "pid", "started"],
+    ],
+)
+def test_a_lock_of_the_wrong_shape_is_named_not_a_crash(owner, tmp_path: Path) -> None:
+    lock = tmp_path / run_control.LOCK
+    content = json.dumps(owner)
+    lock.write_text(content)
+    why = run_control.acquire_lock(tmp_path)
+    assert why is not None and f"the lock file {lock} is empty or unreadable" in why, why
+    assert "a string host, an integer pid and a number started" in why, why
+    assert f"delete {lock} and rerun" in why
+    assert lock.read_text() == content  # not taken over
 
 
 def test_compare_runs_on_a_missing_folder_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -65,6 +65,18 @@ def test_init_is_deterministic_and_seed_dependent() -> None:
             assert not torch.equal(pa, pc), name
 
 
+def test_init_takes_every_seed_the_flag_accepts() -> None:
+    """--seed takes 0 .. 2**64 - 1; the largest initialises too, differently from seed 0
+    (the per-parameter seeds wrap modulo 2**64, which leaves the smaller seeds' values)."""
+    largest, zero = _tiny(), _tiny()
+    largest.init_weights(seed=2**64 - 1)
+    wq = "blocks.0.attention.wq.weight"
+    values = dict(largest.named_parameters())[wq]
+    assert torch.isfinite(values).all() and not torch.equal(
+        values, dict(zero.named_parameters())[wq]
+    )
+
+
 def test_meta_init_to_empty_matches_direct_init() -> None:
     direct = _tiny()
     with torch.device("meta"):

@@ -10,13 +10,16 @@ Two runs are shared by the tests of this module (each launch costs process start
 from __future__ import annotations
 
 import math
+import pickle
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.f8train.launch import metrics, output_of, run_info, train
+from tests.f8train.launch import REPO, metrics, output_of, run_info, train
 
 STEPS = 8
 FP8_ARGS = ("--steps", str(STEPS), "--val-every", "4", "--ckpt-every", "4")
@@ -166,12 +169,15 @@ def test_hung_collective_ends_with_a_message(tmp_path: Path) -> None:
     assert 'f8train/train.py", line' not in result.stderr, output_of(result)  # no traceback
 
 
-def test_checkpoints_without_manifest_are_kept_and_resumable(fp8_run: Path, tmp_path: Path) -> None:
+def test_checkpoints_without_manifest_are_kept_and_resumed_once_trusted(
+    fp8_run: Path, tmp_path: Path
+) -> None:
     """A run whose checkpoints have DCP files but no manifest.json (saved before manifests
-    existed): rerunning it used to start again at step 0 with exit code 0, truncate
-    metrics.jsonl and delete each old step_N at the next save. Now the run stops and names
-    the folder, changing nothing; ``--resume`` of it (the remedy it gives) continues from
-    step 8 with its settings read from run.json, and both old checkpoints are kept."""
+    existed, or the manifests were lost): the rerun stops and names the folder, changing
+    nothing and unpickling nothing; ``--resume`` of it is refused the same way; once
+    ``python -m f8train.resume --trust`` (the remedy it gives) wrote its manifest, with the
+    settings of run.json, ``--resume`` continues from step 8 and both old checkpoints are
+    kept."""
     out = tmp_path / "legacy"
     shutil.copytree(fp8_run, out)
     for step in (4, 8):
@@ -181,15 +187,43 @@ def test_checkpoints_without_manifest_are_kept_and_resumable(fp8_run: Path, tmp_
     assert result.returncode != 0, output_of(result)
     legacy = out / "checkpoints" / "step_00000008"
     assert "checkpoint folders in doubt" in result.stderr, output_of(result)
-    assert f"--resume {legacy}" in result.stderr
+    trust = f"python -m f8train.resume --trust {legacy}"
+    assert trust in result.stderr, output_of(result)
     assert 'f8train/train.py", line' not in result.stderr, output_of(result)  # no traceback
+    result = train(out, *FP8_ARGS, "--steps", "10", "--resume", str(legacy))
+    assert result.returncode != 0 and trust in result.stderr, output_of(result)
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
 
+    command = [sys.executable, "-m", "f8train.resume", "--trust", str(legacy)]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=60)
     result = train(out, *FP8_ARGS, "--steps", "10", "--resume", str(legacy))
     assert result.returncode == 0, output_of(result)
-    assert f"resuming from {legacy}, which has no manifest.json" in result.stderr
     assert "resumed from" in result.stdout and "at step 8" in result.stdout
     assert [r["step"] for r in metrics(out)] == list(range(1, 11))
     for old, data in before.items():  # every old checkpoint file kept, byte for byte
         if "checkpoints" in old.parts:
             assert old.read_bytes() == data, old
+
+
+class _WritesMarker:
+    """Unpickling it creates the file ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_planted_checkpoint_metadata_is_not_unpickled_at_start_up(tmp_path: Path) -> None:
+    """A ``step_N`` folder without a manifest whose ``.metadata`` would create a marker file
+    when unpickled: the trainer names it and stops before anything in it is read."""
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    planted = out / "checkpoints" / "step_00000005"
+    planted.mkdir(parents=True)
+    (planted / ".metadata").write_bytes(pickle.dumps(_WritesMarker(marker)))
+    (planted / "__0_0.distcp").write_bytes(b"\0" * 64)
+    result = train(out, "--steps", "2", nproc=1, timeout=120)
+    assert result.returncode != 0, output_of(result)
+    assert not marker.exists(), output_of(result)
+    assert "checkpoint folders in doubt" in result.stderr and str(planted) in result.stderr

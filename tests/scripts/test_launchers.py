@@ -87,6 +87,45 @@ def test_launchers_refuse_bad_settings_naming_them() -> None:
     assert no_slurm.returncode != 0 and "not under SLURM" in no_slurm.stderr
 
 
+@pytest.mark.parametrize("word", ["1", "yes", "TRUE", "on", "y"])
+def test_dry_run_takes_the_usual_words_for_yes(word: str) -> None:
+    # --steps 0 is refused by the trainer: a run would fail
+    result = _run("train_single_node.sh", "--steps", "0", DRY_RUN=word)
+    assert result.returncode == 0 and _printed(result)[-2:] == ["--steps", "0"], result.stderr
+    assert "usage:" not in result.stdout + result.stderr  # nothing ran
+
+
+@pytest.mark.parametrize("word", ["no", "False"])
+def test_dry_run_takes_the_usual_words_for_no(word: str) -> None:
+    result = _run("train_single_node.sh", "--help", DRY_RUN=word, NGPU="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: torchrun" in result.stdout  # the trainer ran
+
+
+def test_dry_run_refuses_other_words_naming_them() -> None:
+    result = _run("train_single_node.sh", "--help", DRY_RUN="maybe")
+    assert result.returncode == 2 and "usage:" not in result.stdout, result.stdout
+    assert "DRY_RUN=maybe is neither yes nor no" in result.stderr, result.stderr
+    assert "DRY_RUN=1" in result.stderr and "DRY_RUN=0" in result.stderr
+
+
+@pytest.mark.parametrize("node_rank", ["5", "2", "-1", "one"])
+def test_multi_node_refuses_a_node_rank_outside_the_job(node_rank: str) -> None:
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "NODE_RANK": node_rank}
+    result = _run("train_multi_node.sh", DRY_RUN="1", **env)
+    assert result.returncode == 2 and not result.stdout, result.stdout
+    assert f"NODE_RANK={node_rank} is not a node of the job" in result.stderr, result.stderr
+    assert "0 .. 1 with NNODES=2" in result.stderr
+
+
+def test_slurm_launcher_outside_an_allocation_says_so() -> None:
+    env = {"SLURM_NNODES": "1", "SLURM_JOB_ID": "4242", "PATH": "/usr/bin:/bin"}
+    result = _run("train_slurm.sbatch", DRY_RUN="1", **env)
+    assert result.returncode == 2 and not result.stdout, result.stdout
+    assert "command not found" not in result.stderr, result.stderr
+    assert "inside a SLURM allocation" in result.stderr and "MASTER_ADDR" in result.stderr
+
+
 @pytest.mark.parametrize("script", sorted(LAUNCHERS))
 def test_two_process_cpu_run_passes_the_flags_through(script: str) -> None:
     result = _run(script, "--help", MASTER_PORT=str(_free_port()), **LAUNCHERS[script])

@@ -1,0 +1,111 @@
+"""Nothing in a checkpoint folder is unpickled before it is verified against its manifest.
+
+DCP's ``.metadata`` is a pickle: loading one runs whatever code it holds. Each case plants,
+in a ``step_N`` folder without a manifest, a ``.metadata`` whose unpickling would create a
+marker file, and runs what ``f8train.train`` runs at start-up and at a save on one process
+(``find_resume``, pruning, clearing a save's way). The marker must never appear, and the
+folder is named: skipped when older than the newest verified checkpoint, a stop when newer,
+a refusal for ``--resume``. ``python -m f8train.resume --trust`` writes the manifest of a
+folder its owner trusts, after which it resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+from f8train.checkpoint import MANIFEST, Checkpointer, dcp_problem, write_manifest
+from tests.f8train.checkpoint_setup import find_resume_outcome, resume_args
+from tests.f8train.launch import REPO
+
+SETTINGS = {"seed": 0}
+
+
+class _WritesMarker:
+    """Unpickling it opens (creates) the file ``path`` for writing."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _plant(folder: Path, marker: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(pickle.dumps(_WritesMarker(marker)))
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 64)
+
+
+def _complete(ckpt: Checkpointer, step: int) -> Path:
+    """A folder with DCP's file names and a manifest of them (never loaded here)."""
+    path = ckpt.path_for(step)
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"not read before its checksum matches")
+    (path / "__0_0.distcp").write_bytes(bytes(range(64)))
+    write_manifest(path, step=step, settings=SETTINGS)
+    return path
+
+
+def test_a_planted_metadata_is_never_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    ckpt = Checkpointer(tmp_path / "out" / "checkpoints", keep=1, is_main=True)
+    older, newer = ckpt.path_for(1), ckpt.path_for(3)
+    _plant(older, marker)
+    good = _complete(ckpt, 2)
+    assert dcp_problem(older) is None and not marker.exists()  # DCP's files are there
+
+    point, stopped, err = find_resume_outcome(resume_args(ckpt.root.parent), ckpt, SETTINGS)
+    assert stopped is None and point is not None and point.path == good, stopped
+    assert f"note: {older} has DCP files but no {MANIFEST}" in err, err
+    assert "not resumed from, nor unpickled" in err
+    ckpt._prune()  # keep=1: the older folder is kept (in doubt), not opened
+    assert older.is_dir() and not marker.exists()
+
+    point, stopped, err = find_resume_outcome(
+        resume_args(ckpt.root.parent, str(older)), ckpt, SETTINGS
+    )
+    assert point is None and stopped is not None and not marker.exists()
+    assert f"--resume {older}: the folder has no {MANIFEST}" in stopped, stopped
+    assert f"python -m f8train.resume --trust {older}" in stopped
+
+    _plant(newer, marker)
+    point, stopped, err = find_resume_outcome(resume_args(ckpt.root.parent), ckpt, SETTINGS)
+    assert stopped is not None and "checkpoint folders in doubt" in stopped, stopped
+    assert str(newer) in stopped and "unpickling a file runs whatever code" in stopped
+    assert f"--resume {good}" in stopped  # the verified one, the other way on
+    ckpt._clear(newer)  # a save landing on it renames it aside, unopened
+    assert not newer.exists() and (ckpt.root / "step_00000003.set_aside").is_dir()
+    assert not marker.exists()
+
+
+def test_a_manifest_must_list_the_metadata_it_guards(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "out" / "checkpoints", keep=2, is_main=True)
+    good, bad = _complete(ckpt, 1), _complete(ckpt, 2)
+    text = (bad / MANIFEST).read_text().replace('".metadata"', '"other"')
+    (bad / MANIFEST).write_text(text)
+    point, stopped, err = find_resume_outcome(resume_args(ckpt.root.parent), ckpt, SETTINGS)
+    assert point is not None and point.path == good, stopped
+    assert "no file list naming .metadata" in err, err
+
+
+def test_trust_writes_the_manifest_of_a_folder_its_owner_vouches_for(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "out" / "checkpoints", keep=2, is_main=True)
+    path = _complete(ckpt, 4)
+    (path / MANIFEST).unlink()
+    _, stopped, _ = find_resume_outcome(resume_args(ckpt.root.parent), ckpt, SETTINGS)
+    assert stopped is not None and f"python -m f8train.resume --trust {path}" in stopped
+
+    command = [sys.executable, "-m", "f8train.resume", "--trust", str(path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"wrote {path / MANIFEST}" in done.stdout, done.stderr
+    point, stopped, _ = find_resume_outcome(resume_args(ckpt.root.parent), ckpt, SETTINGS)
+    assert stopped is None and point is not None and point.path == path and point.step == 4
+    data = (path / "__0_0.distcp").read_bytes()
+    assert f'"sha256": "{hashlib.sha256(data).hexdigest()}"' in (path / MANIFEST).read_text()
+
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and f"it has a {MANIFEST} already" in again.stderr
