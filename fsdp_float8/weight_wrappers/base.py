@@ -308,13 +308,18 @@ def _rebuild_weight_wrapper(cls, tensor, config, is_param=False, requires_grad=F
 
 def state_dict_weight(t: torch.Tensor, *, detach: bool) -> torch.Tensor:
     """`plain_weight(t)` (detached when asked) for a state dict, whose in-place writes
-    (`dcp.load(model.state_dict())`, a rollback) the wrapper sees: under FSDP2 the local
-    tensor of the new DTensor is an autograd-level alias of the inner tensor, so it shares
-    the inner tensor's version counter, which the wrapper's state checks. (A DTensor's
-    `.detach()` would detach below autograd: a counter of its own, writes unseen.)"""
+    (`dcp.load(model.state_dict())`, a rollback, `nn.init.*`) the wrapper sees. Under FSDP2
+    the local tensor of the new DTensor is an autograd-level alias of the inner tensor, so
+    writes into it (`.to_local().mul_()`) move the inner tensor's version counter. Writes
+    into the DTensor itself reach that local tensor below autograd, so only the DTensor's
+    own counter moves: the wrapper's state checks that counter too, also after the DTensor
+    dies (`WeightState.register_alias`)."""
     if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
-        inner = t._local_tensor._tensor
-        return _dtensor_like(t, inner.detach() if detach else inner)
+        wrapper = t._local_tensor
+        inner = wrapper._tensor
+        out = _dtensor_like(t, inner.detach() if detach else inner)
+        wrapper._state.register_alias(out)
+        return out
     own = plain_weight(t)
     return own.detach() if detach else own
 
