@@ -185,6 +185,17 @@ class Float8LinearConfig:
     `round_scales_to_power_of_2` are positional in torchao's order; the rest keyword-only.
     `force_recompute_fp8_weight_in_bwd` is accepted for torchao compatibility and does
     nothing: backward always re-casts the weight from the parameter (FSDP2 re-gathers it).
+
+    `share_input_casts` (off by default): layers that read the same input tensor with the
+    same dynamic casts (attention's wq/wk/wv, SwiGLU's w1/w3) share its float8 casts, one
+    amax pass and one saved copy instead of one per layer (`fsdp_float8.core.input_casts`).
+    The share is keyed by the input tensor and its version counter, so its contract is:
+    between two readers of an input, nothing writes that input except in-place PyTorch ops
+    on it or its views (they move the counter). Writes that leave the counter alone give
+    the later readers the earlier cast, silently: in-place collectives (`dist.all_reduce(x)`),
+    `x.data` writes or assignment, writes through `x.numpy()` or `torch.from_numpy`. Turn it
+    on only where the readers' input is never written that way (a buffer refilled with
+    `buf.data.copy_` between micro-batches breaks it too).
     """
 
     cast_config_input: CastConfig = field(default_factory=CastConfig)
@@ -204,6 +215,7 @@ class Float8LinearConfig:
     _: KW_ONLY
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
     save_input_in_float8: bool = False
+    share_input_casts: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self)

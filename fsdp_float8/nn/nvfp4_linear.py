@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
+from fsdp_float8.core.gemms import refuse_double_backward
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.nn.linear import _plain_weight_in_state_dict
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
@@ -136,6 +137,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
+        refuse_double_backward("NVFP4Linear", weight.shape)
         layer: NVFP4Linear = ctx.layer
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])
         cfg = layer.config
