@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.formats import rowwise, tensorwise
@@ -151,7 +152,8 @@ class Float8WeightWrapper(torch.Tensor):
         unwrapped = tree_map_only(Float8WeightWrapper, lambda w: w._tensor, (args, kwargs))
         out = func(*unwrapped[0], **unwrapped[1])
         if func in PRESERVE_WRAPPER:
-            return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
+            with normal_outputs(args, kwargs):  # a view of a normal tensor is normal
+                return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
         inner_to_wrapper = {id(w._tensor): w for w in wrappers}
         return tree_map_only(torch.Tensor, lambda t: inner_to_wrapper.get(id(t), t), out)
 
@@ -223,17 +225,21 @@ class Float8WeightWrapper(torch.Tensor):
     # record it returns says how the gathered outputs become the unsharded weight
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
-        if self.needs_refresh():  # the float8 step refreshes the whole model at once
-            for hook in BEFORE_ALL_GATHER:
-                hook(module)
-        return self.pack_shard(mesh, outer_size, module)
+        # scales, stamps and packs outlive this unshard (training reuses them): never
+        # inference tensors, also when the first forward runs under torch.inference_mode()
+        with torch.inference_mode(False):
+            if self.needs_refresh():  # the float8 step refreshes the whole model at once
+                for hook in BEFORE_ALL_GATHER:
+                    hook(module)
+            return self.pack_shard(mesh, outer_size, module)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
             out = out._local_tensor
         outputs = tuple(all_gather_outputs)
         if out is None:
-            return metadata.build(outputs, param_dtype)
+            with torch.inference_mode(False):  # the unsharded weight serves training too
+                return metadata.build(outputs, param_dtype)
         metadata.refill(out, outputs)  # FSDP2 refilled the gathered buffers in place
         return None
 
