@@ -221,10 +221,18 @@ class Float8WeightWrapper(torch.Tensor):
         """Whether the float8 step has a scale to compute for this weight (host state)."""
         return False
 
+    @property
+    def needs_row_shards(self) -> bool:
+        """Whether each shard must hold whole rows (per-row, block or tile scales are cut
+        along dim 0): true for every format but a tensorwise scale, which covers any cut."""
+        return self.rowwise
+
     # the one hook pair: a subclass says how its shard is packed (`pack_shard`); the metadata
     # record it returns says how the gathered outputs become the unsharded weight
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
+        if self.needs_row_shards:
+            _refuse_shards_across_rows(self, outer_size, module)
         # scales, stamps and packs outlive this unshard (training reuses them): never
         # inference tensors, also when the first forward runs under torch.inference_mode()
         with torch.inference_mode(False):
@@ -292,6 +300,23 @@ def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
             f"float8 all-gather of a weight offloaded to {sharded.device} and gathered on "
             f"{moved.device} (FSDP2 offload_policy=CPUOffloadPolicy()) is not supported; "
             "drop the offload policy or set enable_fsdp_float8_all_gather=False"
+        )
+
+
+def _refuse_shards_across_rows(shard: Float8WeightWrapper, outer_size, module) -> None:
+    """FSDP2 with `shard_placement_fn` returning Shard(d), d > 0, cuts every row: a format
+    whose scales are laid along the rows cannot be packed per shard. The shard's shape says
+    so on every rank (a dim-0 shard keeps the other dims whole), so every rank raises."""
+    cut = [d for d in range(1, len(outer_size)) if shard.shape[d] != outer_size[d]]
+    if cut:
+        raise ValueError(
+            f"float8 all-gather of the {tuple(outer_size)} {shard.param_name} of "
+            f"{type(module).__name__} sharded as Shard({cut[0]}) (fully_shard("
+            f"shard_placement_fn=...)) is not supported by its format "
+            f"({type(shard).__name__}): its scales follow the rows, so each rank must hold "
+            "whole rows (Shard(0), FSDP2's default). Return Shard(0) for this weight from "
+            "shard_placement_fn (or drop it), use a tensorwise recipe, or set "
+            "enable_fsdp_float8_all_gather=False (gathered in high precision, cast after)"
         )
 
 

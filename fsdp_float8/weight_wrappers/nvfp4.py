@@ -138,6 +138,8 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
     def float8_scale(self, mesh) -> torch.Tensor:
         return self.global_amax(mesh)
 
+    needs_row_shards = True  # 16x16 tiles
+
     def pack_shard(self, mesh, outer_size, module):
         owner = f"the {tuple(outer_size)} weight of {type(module).__name__} (NVFP4 16x16 tiles)"
         check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
