@@ -65,7 +65,9 @@ def _shard_1(rank, world_size):
     for name, config in SHARD_1_RECIPES.items():
         config = config or NVFP4Config(enable_fsdp_float8_all_gather=True)
         torch.manual_seed(0)
-        model = convert_to_float8_training(nn.Sequential(nn.Linear(64, 64, bias=False)), config=config)
+        model = convert_to_float8_training(
+            nn.Sequential(nn.Linear(64, 64, bias=False)), config=config
+        )
         fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
         try:

@@ -229,3 +229,24 @@ def test_experts_are_refused_unless_kept_out() -> None:
     assert model.float8_conversion_report.experts_skipped == {
         "experts": "rejected by expert_filter_fn"
     }
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"stochastic_rounding": False, "hadamard_grad_weight": False}, {}],
+    ids=["round_to_nearest", "default"],
+)
+def test_inductor_gives_the_eager_outputs_and_gradients_bit_for_bit(config) -> None:
+    # bf16 with a bias: the quantize and the emulated GEMM are one op each, so inductor
+    # neither fuses their rounding away nor splits their tile loops
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    hp = nn.Linear(64, 32).to(torch.bfloat16)
+    layer = NVFP4Linear.from_float(hp, NVFP4Config(**config))
+    layer.fqn = "layer"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    go = torch.randn(32, 32, generator=g).to(torch.bfloat16)
+    eager = _grads(layer, x, go)
+    compiled = _grads(torch.compile(layer, fullgraph=True, backend="inductor"), x, go)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
