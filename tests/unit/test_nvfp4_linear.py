@@ -169,6 +169,20 @@ def test_convert_names_layers_and_high_precision_ends_keeps_the_ends() -> None:
         high_precision_ends(model, first=3, last=2, blocks="blocks")
 
 
+def test_high_precision_ends_keeps_the_ends_of_each_stack() -> None:
+    def stack(n: int) -> nn.ModuleList:
+        return nn.ModuleList(nn.Sequential(nn.Linear(32, 32)) for _ in range(n))
+
+    model = nn.Module()
+    model.encoder, model.decoder = nn.Module(), nn.Module()
+    model.encoder.layers, model.decoder.layers = stack(3), stack(4)
+    keep = high_precision_ends(model, first=1, last=1)
+    kept = sorted(n for n, m in model.named_modules() if keep(m, n))
+    assert kept == ["decoder.layers.1.0", "decoder.layers.2.0", "encoder.layers.1.0"], kept
+    with pytest.raises(ValueError, match="first=2, last=2.* 3 blocks of the stack 'encoder'"):
+        high_precision_ends(model, first=2, last=2)
+
+
 def test_state_dict_is_plain_and_loads_back_into_the_wrapper(tmp_path) -> None:
     _, layer = _layer()
     layer = NVFP4Linear.from_float(
