@@ -13,6 +13,7 @@ Field names follow the ones torchao users know, so switching is a change of impo
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 from collections.abc import Callable
@@ -218,6 +219,7 @@ class Float8LinearConfig:
     share_input_casts: bool = False
 
     def __post_init__(self) -> None:
+        self._convert_foreign_fields()
         check_field_types(self)
         for operand in OPERANDS:
             self._resolve(operand)
@@ -242,6 +244,17 @@ class Float8LinearConfig:
         )
         if not self.emulate:
             check_no_e5m2_pair(casts)
+
+    def _convert_foreign_fields(self) -> None:
+        """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their
+        fields) in a cast or GEMM field becomes this package's, field by field
+        (`config_foreign`); anything else is left to the type check."""
+        from fsdp_float8.core.config_foreign import foreign_part
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith(("cast_config_", "gemm_config_")) and _is_foreign(value):
+                object.__setattr__(self, f.name, foreign_part(value, f.name))
 
     def _resolve(self, operand: Operand) -> None:
         """Fill the operand's second-use config and both target dtypes (values filled by
@@ -341,3 +354,8 @@ def _with_dtype(cfg: CastConfig, operand: Operand) -> CastConfig:
     if cfg.target_dtype is not None:
         return cfg
     return mark_filled(replace(cfg, target_dtype=_DEFAULT_DTYPE[operand]), "dtype")
+
+
+def _is_foreign(value: object) -> bool:
+    ours = (CastConfig, Float8GemmConfig)
+    return dataclasses.is_dataclass(value) and not isinstance(value, (type, *ours))

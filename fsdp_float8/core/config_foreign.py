@@ -61,6 +61,13 @@ def as_float8_linear_config(config: object, argument: str = "config") -> Float8L
     return Float8LinearConfig(**fields)
 
 
+def foreign_part(value: object, field: str) -> CastConfig | Float8GemmConfig:
+    """A foreign cast or GEMM config (torchao.float8's) given inside this package's
+    `Float8LinearConfig`, as this package's."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    return _value(value, f"Float8LinearConfig.{field}", kind)  # type: ignore[return-value]
+
+
 def _value(value: Any, where: str, kind: str) -> object:
     if isinstance(value, (CastConfig, Float8GemmConfig)) or not dataclasses.is_dataclass(value):
         return value.value if isinstance(value, enum.Enum) else value
