@@ -18,6 +18,7 @@ import enum
 import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -249,8 +250,6 @@ class Float8LinearConfig:
         """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their
         fields) in a cast or GEMM field becomes this package's, field by field
         (`config_foreign`); anything else is left to the type check."""
-        from fsdp_float8.core.config_foreign import foreign_part
-
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.startswith(("cast_config_", "gemm_config_")) and _is_foreign(value):
@@ -356,6 +355,38 @@ def _with_dtype(cfg: CastConfig, operand: Operand) -> CastConfig:
     return mark_filled(replace(cfg, target_dtype=_DEFAULT_DTYPE[operand]), "dtype")
 
 
+_FOREIGN_CAST_FIELDS = ("scaling_type", "scaling_granularity", "target_dtype")
+
+
 def _is_foreign(value: object) -> bool:
     ours = (CastConfig, Float8GemmConfig)
     return dataclasses.is_dataclass(value) and not isinstance(value, (type, *ours))
+
+
+def foreign_part(value: object, field: str) -> CastConfig | Float8GemmConfig:
+    """A foreign cast or GEMM config (torchao.float8's) given inside this package's
+    `Float8LinearConfig`, as this package's."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    return foreign_value(value, f"Float8LinearConfig.{field}", kind)  # type: ignore[return-value]
+
+
+def foreign_value(value: Any, where: str, kind: str) -> object:
+    """A field value of a foreign config (torchao.float8's): a cast or GEMM config
+    dataclass as this package's, an enum by its value, anything else as it is."""
+    if isinstance(value, (CastConfig, Float8GemmConfig)) or not dataclasses.is_dataclass(value):
+        return value.value if isinstance(value, enum.Enum) else value
+    kw = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if tuple(kw) == ("use_fast_accum",):
+        return Float8GemmConfig(kw["use_fast_accum"])
+    extra = [n for n in kw if n not in _FOREIGN_CAST_FIELDS]
+    if not set(_FOREIGN_CAST_FIELDS) <= set(kw) or extra:
+        raise Float8ConfigError(
+            f"{where}={value!r} (in a {kind}) is neither a cast config "
+            f"({_FOREIGN_CAST_FIELDS}) nor a GEMM config (use_fast_accum)"
+            f"{'; unknown fields ' + str(extra) if extra else ''}; "
+            "build an fsdp_float8.Float8LinearConfig instead"
+        )
+    for n in ("scaling_type", "scaling_granularity"):
+        if isinstance(kw[n], enum.Enum):
+            kw[n] = kw[n].value
+    return CastConfig(**kw)
