@@ -50,6 +50,8 @@ class CastPlan:
     # (CUDA row-wise GEMMs give bf16 only; an fp32 weight under autocast gets its bf16
     # result cast up, as torchao does); tensorwise and high precision: the weight's dtype
     row_scaled_grad_weight: bool
+    # layers reading one input share its casts (`Float8LinearConfig.share_input_casts`)
+    share_input_casts: bool = False
 
     @classmethod
     def from_config(cls, config: Float8LinearConfig) -> Self:
@@ -67,6 +69,7 @@ class CastPlan:
                 g: config.cast(GEMM_OPERANDS[g][0], g).granularity().scale_dtype for g in GEMMS
             },
             row_scaled_grad_weight=_row_scaled(config, Gemm.GRAD_WEIGHT),
+            share_input_casts=config.share_input_casts,
         )
 
     def high_precision(self, gemm: Gemm) -> bool:

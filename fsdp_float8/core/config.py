@@ -13,10 +13,12 @@ Field names follow the ones torchao users know, so switching is a change of impo
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -185,6 +187,17 @@ class Float8LinearConfig:
     `round_scales_to_power_of_2` are positional in torchao's order; the rest keyword-only.
     `force_recompute_fp8_weight_in_bwd` is accepted for torchao compatibility and does
     nothing: backward always re-casts the weight from the parameter (FSDP2 re-gathers it).
+
+    `share_input_casts` (off by default): layers that read the same input tensor with the
+    same dynamic casts (attention's wq/wk/wv, SwiGLU's w1/w3) share its float8 casts, one
+    amax pass and one saved copy instead of one per layer (`fsdp_float8.core.input_casts`).
+    The share is keyed by the input tensor and its version counter, so its contract is:
+    between two readers of an input, nothing writes that input except in-place PyTorch ops
+    on it or its views (they move the counter). Writes that leave the counter alone give
+    the later readers the earlier cast, silently: in-place collectives (`dist.all_reduce(x)`),
+    `x.data` writes or assignment, writes through `x.numpy()` or `torch.from_numpy`. Turn it
+    on only where the readers' input is never written that way (a buffer refilled with
+    `buf.data.copy_` between micro-batches breaks it too).
     """
 
     cast_config_input: CastConfig = field(default_factory=CastConfig)
@@ -204,8 +217,10 @@ class Float8LinearConfig:
     _: KW_ONLY
     delayed_scaling_config: DelayedScalingConfig = field(default_factory=DelayedScalingConfig)
     save_input_in_float8: bool = False
+    share_input_casts: bool = False
 
     def __post_init__(self) -> None:
+        self._convert_foreign_fields()
         check_field_types(self)
         for operand in OPERANDS:
             self._resolve(operand)
@@ -230,6 +245,15 @@ class Float8LinearConfig:
         )
         if not self.emulate:
             check_no_e5m2_pair(casts)
+
+    def _convert_foreign_fields(self) -> None:
+        """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their
+        fields) in a cast or GEMM field becomes this package's, field by field
+        (`config_foreign`); anything else is left to the type check."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith(("cast_config_", "gemm_config_")) and _is_foreign(value):
+                object.__setattr__(self, f.name, foreign_part(value, f.name))
 
     def _resolve(self, operand: Operand) -> None:
         """Fill the operand's second-use config and both target dtypes (values filled by
@@ -329,3 +353,40 @@ def _with_dtype(cfg: CastConfig, operand: Operand) -> CastConfig:
     if cfg.target_dtype is not None:
         return cfg
     return mark_filled(replace(cfg, target_dtype=_DEFAULT_DTYPE[operand]), "dtype")
+
+
+_FOREIGN_CAST_FIELDS = ("scaling_type", "scaling_granularity", "target_dtype")
+
+
+def _is_foreign(value: object) -> bool:
+    ours = (CastConfig, Float8GemmConfig)
+    return dataclasses.is_dataclass(value) and not isinstance(value, (type, *ours))
+
+
+def foreign_part(value: object, field: str) -> CastConfig | Float8GemmConfig:
+    """A foreign cast or GEMM config (torchao.float8's) given inside this package's
+    `Float8LinearConfig`, as this package's."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    return foreign_value(value, f"Float8LinearConfig.{field}", kind)  # type: ignore[return-value]
+
+
+def foreign_value(value: Any, where: str, kind: str) -> object:
+    """A field value of a foreign config (torchao.float8's): a cast or GEMM config
+    dataclass as this package's, an enum by its value, anything else as it is."""
+    if isinstance(value, (CastConfig, Float8GemmConfig)) or not dataclasses.is_dataclass(value):
+        return value.value if isinstance(value, enum.Enum) else value
+    kw = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if tuple(kw) == ("use_fast_accum",):
+        return Float8GemmConfig(kw["use_fast_accum"])
+    extra = [n for n in kw if n not in _FOREIGN_CAST_FIELDS]
+    if not set(_FOREIGN_CAST_FIELDS) <= set(kw) or extra:
+        raise Float8ConfigError(
+            f"{where}={value!r} (in a {kind}) is neither a cast config "
+            f"({_FOREIGN_CAST_FIELDS}) nor a GEMM config (use_fast_accum)"
+            f"{'; unknown fields ' + str(extra) if extra else ''}; "
+            "build an fsdp_float8.Float8LinearConfig instead"
+        )
+    for n in ("scaling_type", "scaling_granularity"):
+        if isinstance(kw[n], enum.Enum):
+            kw[n] = kw[n].value
+    return CastConfig(**kw)

@@ -15,14 +15,12 @@ Imports config.py (which does not import this module).
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
-from fsdp_float8.core.config import CastConfig, Float8GemmConfig, Float8LinearConfig
+from fsdp_float8.core.config import Float8LinearConfig, foreign_value
 from fsdp_float8.core.config_fields import Float8ConfigError
 
 _LINEAR_FIELDS = {f.name for f in dataclasses.fields(Float8LinearConfig)}
-_CAST_FIELDS = ("scaling_type", "scaling_granularity", "target_dtype")
 _SECOND_USE = {
     "cast_config_input_for_grad_weight": "cast_config_input",
     "cast_config_weight_for_grad_input": "cast_config_weight",
@@ -54,27 +52,8 @@ def as_float8_linear_config(config: object, argument: str = "config") -> Float8L
                 "build an fsdp_float8.Float8LinearConfig instead (its fields: "
                 f"{sorted(_LINEAR_FIELDS)})"
             )
-        fields[f.name] = _value(getattr(config, f.name), f"{argument}.{f.name}", kind)
+        fields[f.name] = foreign_value(getattr(config, f.name), f"{argument}.{f.name}", kind)
     for second, first in _SECOND_USE.items():
         if second in fields and fields[second] == fields.get(first):
             fields[second] = None  # torchao's default, resolved: ours resolves it alike
     return Float8LinearConfig(**fields)
-
-
-def _value(value: Any, where: str, kind: str) -> object:
-    if isinstance(value, (CastConfig, Float8GemmConfig)) or not dataclasses.is_dataclass(value):
-        return value.value if isinstance(value, enum.Enum) else value
-    kw = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if tuple(kw) == ("use_fast_accum",):
-        return Float8GemmConfig(kw["use_fast_accum"])
-    extra = [n for n in kw if n not in _CAST_FIELDS]
-    if not set(_CAST_FIELDS) <= set(kw) or extra:
-        raise Float8ConfigError(
-            f"{where}={value!r} (in a {kind}) is neither a cast config ({_CAST_FIELDS}) nor a "
-            f"GEMM config (use_fast_accum){'; unknown fields ' + str(extra) if extra else ''}; "
-            "build an fsdp_float8.Float8LinearConfig instead"
-        )
-    for n in ("scaling_type", "scaling_granularity"):
-        if isinstance(kw[n], enum.Enum):
-            kw[n] = kw[n].value
-    return CastConfig(**kw)

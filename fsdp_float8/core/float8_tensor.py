@@ -16,10 +16,12 @@ autograd and FSDP2 see a tensor of the parameter's dtype. Ops on it live in `flo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fsdp_float8.core.blocks import dequantize_blocks
 from fsdp_float8.core.scaling import cast_to_float8_data
@@ -34,6 +36,20 @@ class OperandCache(Protocol):
     def inverse(self) -> torch.Tensor | None:
         """`1 / _scale` of a tensorwise weight, made with it (None: not known)."""
         ...
+
+
+def normal_outputs(args, kwargs) -> contextlib.AbstractContextManager:
+    """Where a subclass's dispatch makes new wrappers: under `torch.inference_mode()` with
+    no inference tensor among the arguments, make them normal tensors. Autograd gives the
+    view of a normal tensor (FSDP2's `as_strided` of the gathered weight, `view`,
+    `detach`) the base's version counter, which an inference tensor cannot take; and what
+    FSDP2 builds at its first unshard serves the training steps after."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    leaves = tree_leaves((args, kwargs))
+    return torch.inference_mode(
+        any(isinstance(t, torch.Tensor) and t.is_inference() for t in leaves)
+    )
 
 
 class Float8Tensor(torch.Tensor):
@@ -99,7 +115,8 @@ class Float8Tensor(torch.Tensor):
                 f"Float8Tensor does not support {func}; convert it first with "
                 ".to_original_precision() (or file an issue if this op should be supported)"
             )
-        return handler(func, args, kwargs or {})
+        with normal_outputs(args, kwargs):
+            return handler(func, args, kwargs or {})
 
     @property
     def float8_dtype(self) -> torch.dtype:

@@ -57,3 +57,21 @@ CONTRACTION_DIM: dict[tuple[Gemm, Operand], int] = {
     (Gemm.GRAD_WEIGHT, Operand.GRAD_OUTPUT): 0,
     (Gemm.GRAD_WEIGHT, Operand.INPUT): 0,
 }
+
+
+def refuse_double_backward(layer: str, weight_shape) -> None:
+    """Called first in a float8 layer's backward: with `create_graph=True` (grad mode on
+    in backward) the gradients it returns would be constants to autograd, so a penalty on
+    them (`torch.autograd.grad(loss, x, create_graph=True)`) would lose its own gradient.
+    The quantized GEMMs have no derivative of their own: refuse, naming the layer."""
+    import torch
+
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"double backward through a {layer} (weight {tuple(weight_shape)}) is not "
+            "supported: its float8/4-bit backward GEMMs are not differentiable, so the "
+            "gradients that autograd.grad(..., create_graph=True) returns would carry no "
+            "graph and a gradient penalty would be silently dropped. Keep the layers the "
+            "penalty differentiates in high precision (module_filter_fn / filter_fqns), or "
+            "compute the penalty without create_graph=True"
+        )

@@ -1,5 +1,9 @@
 """The float8 casts of an input that several layers read: `shared_casts`.
 
+Off unless the layers' config opts in (`Float8LinearConfig.share_input_casts`, whose
+docstring states the contract: no write into the input between readers that leaves its
+version counter alone).
+
 Attention's wq, wk and wv read the same activation, and so do SwiGLU's w1 and w3 (linears,
 or the grouped experts' projections of the same routed tokens). Cast by each layer alone,
 the activation would be cast for the output GEMM once per layer (same amax, same float8
@@ -69,7 +73,8 @@ def shared_casts(x: torch.Tensor, plan: CastPlan, context: object = None) -> Inp
     (module docstring); None where nothing is shared."""
     strategies = [plan.strategies[k] for k in _CASTS]
     if (
-        any(s is None or not s.own_amax for s in strategies)
+        not plan.share_input_casts
+        or any(s is None or not s.own_amax for s in strategies)
         or torch.compiler.is_compiling()
         or type(x) is not torch.Tensor
         or x.is_inference()

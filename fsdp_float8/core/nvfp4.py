@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fsdp_float8.core.blocks import Block, expand_block_scale
+from fsdp_float8.core.blocks import Block, expand_block_scale, scale_shape
 from fsdp_float8.core.blocks_cuda import swizzle_32_4_4
 from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
     RHT_SIZE,
@@ -267,13 +267,54 @@ def quantize(
     `generator` (block factors rounded up; a torch.Generator or uniform draws shaped like
     x, e.g. `hashed_uniform`), else round to nearest even (nearest factors)."""
     _check_quantize(x, amax, block)
-    hp = x.detach().to(torch.float32)
+    if isinstance(generator, torch.Generator):  # eager only: a generator's state
+        parts = _quantize_parts(x.detach(), amax.detach(), *block, generator)
+    else:  # one op, so that a compiled graph quantizes as eager does, bit for bit
+        parts = quantize_op(x.detach(), amax.detach(), block[0], block[1], generator)
+    return NVFP4(*parts, block)
+
+
+def _quantize_parts(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    draws: torch.Tensor | torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    block = (block_rows, block_cols)
+    hp = x.to(torch.float32)
     tensor_inv = tensor_inv_scale(amax)
     amaxes = block_amax(hp, block)
-    block_inv = block_inv_scales(amaxes, tensor_inv, round_up=generator is not None)
+    block_inv = block_inv_scales(amaxes, tensor_inv, round_up=draws is not None)
     per_element = expand_block_scale(block_inv.to(torch.float32) * tensor_inv, block, hp.shape)
-    codes = e2m1_codes(hp / per_element, generator=generator)
-    return NVFP4(pack_e2m1(codes), block_inv, tensor_inv, block)
+    codes = e2m1_codes(hp / per_element, generator=draws)
+    return pack_e2m1(codes), block_inv, tensor_inv
+
+
+def _quantize_op_impl(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    block_rows: int,
+    block_cols: int,
+    draws: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_parts(x, amax, block_rows, block_cols, draws)
+
+
+# The quantize is a custom op: torch.compile calls it as eager runs it. Inductor would
+# otherwise fuse its e2m1 rounding with its neighbours, where the CPU backend's loop split
+# fails on the tile reshapes and a fused kernel need not round as eager does.
+quantize_op = torch.library.custom_op("fsdp_float8::nvfp4_quantize", mutates_args=())(
+    _quantize_op_impl
+)
+
+
+@quantize_op.register_fake
+def _quantize_op_fake(x, amax, block_rows, block_cols, draws):
+    *lead, rows, cols = x.shape
+    packed = x.new_empty((*lead, rows, cols // 2), dtype=torch.uint8)
+    block_inv = x.new_empty(scale_shape(x.shape, (block_rows, block_cols)), dtype=E4M3)
+    return packed, block_inv, x.new_empty((), dtype=torch.float32)
 
 
 def dequantize(q: NVFP4) -> torch.Tensor:
@@ -308,7 +349,39 @@ def emulated_mm(a: NVFP4, b: NVFP4, out_dtype: torch.dtype = torch.float32) -> t
     """a (M, K) @ b (N, K)^T, both quantized along K (their last dim, as `F.linear`'s input
     and weight): each dequantized to float32, one float32 matmul, then `out_dtype`."""
     _check_mm(a, b)
+    return emulated_mm_op(
+        a.packed, a.block_inv_scale, a.tensor_inv_scale, list(a.block),
+        b.packed, b.block_inv_scale, b.tensor_inv_scale, list(b.block), out_dtype,
+    )  # fmt: skip
+
+
+def _emulated_mm_impl(
+    a_packed: torch.Tensor,
+    a_block_inv: torch.Tensor,
+    a_tensor_inv: torch.Tensor,
+    a_block: list[int],
+    b_packed: torch.Tensor,
+    b_block_inv: torch.Tensor,
+    b_tensor_inv: torch.Tensor,
+    b_block: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    a = NVFP4(a_packed, a_block_inv, a_tensor_inv, (a_block[0], a_block[1]))
+    b = NVFP4(b_packed, b_block_inv, b_tensor_inv, (b_block[0], b_block[1]))
     return torch.mm(dequantize(a), dequantize(b).t()).to(out_dtype)
+
+
+# One op, as a GEMM is one kernel: a compiled graph rounds its output to out_dtype where
+# eager does (inductor would otherwise fuse the rounding into the op after it)
+emulated_mm_op = torch.library.custom_op("fsdp_float8::nvfp4_emulated_mm", mutates_args=())(
+    _emulated_mm_impl
+)
+
+
+@emulated_mm_op.register_fake
+def _emulated_mm_fake(a_packed, a_block_inv, a_tensor_inv, a_block, b_packed, *rest):
+    out_dtype = rest[-1]
+    return a_packed.new_empty((a_packed.shape[0], b_packed.shape[0]), dtype=out_dtype)
 
 
 def nvfp4_gemm_problem(device: torch.device) -> str | None:

@@ -28,7 +28,7 @@ import torch
 
 from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast
 from fsdp_float8.core.config import Float8LinearConfig
-from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
+from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand, refuse_double_backward
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
 from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
@@ -140,6 +140,7 @@ class _Float8GroupedExpertsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, offs = ctx.saved_tensors
+        refuse_double_backward("float8 grouped experts GEMM", weight.shape)
         plan = ctx.plan
         grad_out = grad_out.contiguous()  # an expanded gradient (sum()) has stride 0
         go = cast_expert_operand(grad_out, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, offs)

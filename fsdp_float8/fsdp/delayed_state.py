@@ -315,6 +315,10 @@ def export_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
     `state_dict()` (or the given one, e.g. a full state dict from
     `torch.distributed.checkpoint.state_dict.get_model_state_dict`) without the
     delayed-scaling buffers (amax histories, scales), so it loads with `strict=True` into the
-    original `nn.Module`. Training checkpoints keep those buffers: resuming needs them."""
+    original `nn.Module`. Training checkpoints keep those buffers: resuming needs them.
+
+    The same dict loads a checkpoint saved without delayed-scaling state into a
+    delayed-scaling model in place (DCP would report the missing `fp8_amax_*` keys):
+    `dcp.load(export_state_dict(model), checkpoint_id=...)`; the histories start afresh."""
     state_dict = model.state_dict() if state_dict is None else state_dict
     return {k: v for k, v in state_dict.items() if not _STATE_KEY.search(k)}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_float8.core.config import CastConfig, Float8LinearConfig, ScalingType
+from fsdp_float8.core.recipes import names_list
 from fsdp_float8.integrations import check_torchtitan_version
 
 TORCHTITAN_VERSION = check_torchtitan_version()
@@ -148,12 +149,15 @@ class Float8Converter(QuantizationConverter):
         static_scale: float | None = None
         """The scale of every operand whose scaling type is static."""
         filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
-        """Linears whose name contains one of these stay in high precision."""
+        """Linears whose name contains one of these stay in high precision. One string is
+        one name (torchtitan's own converter would test each of its characters)."""
         emulate: bool = False
         """Float32 GEMMs of the float8 operands (GPUs without float8 GEMMs; tests)."""
 
     def __init__(self, config: Config):
         self.config = config
+        # bad names fail here: an empty one would keep every linear in high precision
+        self.filter_fqns = names_list(config.filter_fqns, "Float8Converter.Config.filter_fqns")
         kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         for name in ("filter_fqns", "model_compile_enabled"):
             kwargs.pop(name)
@@ -161,7 +165,7 @@ class Float8Converter(QuantizationConverter):
 
     def convert(self, model_config):
         for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
-            if not _accepts(cfg, fqn, self.config.filter_fqns):
+            if not _accepts(cfg, fqn, self.filter_fqns):
                 continue
             new = _float8_linear_config(cfg, self.float8)
             if parent is None:

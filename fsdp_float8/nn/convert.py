@@ -12,6 +12,7 @@ and reported the same way, as experts converted or skipped with the reason.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -129,10 +130,33 @@ def convert_to_float8_training(
         swap.put(experts)
         report.experts_converted.append(swap.fqn)
     model.float8_conversion_report = report  # type: ignore[assignment]
+    if module_filter_fn is None:
+        _warn_default_skips(report)
     if report.converted or report.experts_converted:
         for hook in AFTER_CONVERSION:  # the float8 step: no float8 call in the training loop
             hook(model)
     return model
+
+
+def _warn_default_skips(report: ConversionReport) -> None:
+    """Name the linears the default filter kept in high precision: torchao.float8 converts
+    every linear when given no filter (a layer CUDA's float8 GEMM cannot take fails there),
+    so code written for it would otherwise lose those layers without a word."""
+    skipped = {n: why for n, why in report.skipped.items() if why.startswith("dims (")}
+    if not skipped:
+        return
+    named = ", ".join(
+        f"'{n}' {why[len('dims ') : why.index(')') + 1]}" for n, why in skipped.items()
+    )
+    warnings.warn(
+        f"convert_to_float8_training kept {len(skipped)} linear layer(s) in high precision, "
+        f"whose dims are not multiples of 16 (float8 GEMMs need them): {named}. torchao.float8 "
+        "would convert them and fail at their first GEMM. To choose yourself pass "
+        "module_filter_fn (with emulate=True any dims run); pad_inner_dim=True pads them "
+        "(tensorwise and rowwise); model.float8_conversion_report lists every skip",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _layer_config(config: object) -> Float8LinearConfig:

@@ -34,6 +34,7 @@ from fsdp_float8.core.gemms import (
     SECOND_GEMM,
     Gemm,
     Operand,
+    refuse_double_backward,
 )
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
 from fsdp_float8.formats.weight_operands import weight_for
@@ -163,6 +164,7 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
+        refuse_double_backward("Float8Linear", weight.shape)
         plan, states = ctx.plan, ctx.states
         record, ctx.record = ctx.record, None  # held until the last reader's backward
         go2 = grad_out.reshape(-1, grad_out.shape[-1])

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
+from fsdp_float8.core.gemms import refuse_double_backward
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.nn.linear import _plain_weight_in_state_dict
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
@@ -136,6 +137,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
+        refuse_double_backward("NVFP4Linear", weight.shape)
         layer: NVFP4Linear = ctx.layer
         x_shape = (*grad_out.shape[:-1], x2.shape[-1])
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])
@@ -273,26 +275,37 @@ def high_precision_ends(model: nn.Module, first: int = 1, last: int = 1, *, bloc
     """A `module_filter_fn` for `model` converting the linears (dims multiples of 16) inside
     its blocks `<blocks>.<i>.` except the first `first` and the last `last` blocks, and
     nothing outside the blocks (embeddings, the output head), as NVIDIA's NVFP4 recipe keeps
-    them in high precision."""
+    them in high precision. Each stack of blocks counts apart (an encoder's
+    `encoder.layers.<i>` and a decoder's `decoder.layers.<i>`: the ends of each)."""
     pattern = re.compile(rf"(?:^|\.){re.escape(blocks)}\.(\d+)\.")
-    seen = {int(m.group(1)) for n, _ in model.named_modules() if (m := pattern.search(n + "."))}
-    if not seen:
+
+    def stack_and_index(name: str) -> tuple[str, int] | None:
+        match = pattern.search(name + ".")
+        return None if match is None else (name[: match.start()], int(match.group(1)))
+
+    stacks: dict[str, set[int]] = {}
+    for name, _ in model.named_modules():
+        if (found := stack_and_index(name)) is not None:
+            stacks.setdefault(found[0], set()).add(found[1])
+    if not stacks:
         raise ValueError(
             f"no blocks named '{blocks}.<i>' in the model; pass blocks= the attribute that "
             "holds the block list (e.g. blocks='layers' for model.layers)"
         )
-    if first < 0 or last < 0 or first + last > len(seen):
+    fewest = min(stacks, key=lambda s: len(stacks[s]))
+    if first < 0 or last < 0 or first + last > len(stacks[fewest]):
+        where = f" of the stack '{fewest or blocks}'" if len(stacks) > 1 else ""
         raise ValueError(
             f"first={first}, last={last}: expected two ints >= 0 summing to at most the "
-            f"{len(seen)} blocks"
+            f"{len(stacks[fewest])} blocks{where}"
         )
-    end = max(seen) + 1 - last
+    ends = {stack: max(indices) + 1 - last for stack, indices in stacks.items()}
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        match = pattern.search(fqn)
-        if match is None or not isinstance(module, nn.Linear):
+        found = stack_and_index(fqn)
+        if found is None or found[0] not in ends or not isinstance(module, nn.Linear):
             return False
         dims_ok = module.in_features % 16 == 0 and module.out_features % 16 == 0
-        return dims_ok and first <= int(match.group(1)) < end
+        return dims_ok and first <= found[1] < ends[found[0]]
 
     return keep

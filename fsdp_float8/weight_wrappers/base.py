@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.formats import rowwise, tensorwise
@@ -151,7 +152,8 @@ class Float8WeightWrapper(torch.Tensor):
         unwrapped = tree_map_only(Float8WeightWrapper, lambda w: w._tensor, (args, kwargs))
         out = func(*unwrapped[0], **unwrapped[1])
         if func in PRESERVE_WRAPPER:
-            return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
+            with normal_outputs(args, kwargs):  # a view of a normal tensor is normal
+                return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
         inner_to_wrapper = {id(w._tensor): w for w in wrappers}
         return tree_map_only(torch.Tensor, lambda t: inner_to_wrapper.get(id(t), t), out)
 
@@ -219,21 +221,33 @@ class Float8WeightWrapper(torch.Tensor):
         """Whether the float8 step has a scale to compute for this weight (host state)."""
         return False
 
+    @property
+    def needs_row_shards(self) -> bool:
+        """Whether each shard must hold whole rows (per-row, block or tile scales are cut
+        along dim 0): true for every format but a tensorwise scale, which covers any cut."""
+        return self.rowwise
+
     # the one hook pair: a subclass says how its shard is packed (`pack_shard`); the metadata
     # record it returns says how the gathered outputs become the unsharded weight
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         _refuse_cpu_offload(self, module)
-        if self.needs_refresh():  # the float8 step refreshes the whole model at once
-            for hook in BEFORE_ALL_GATHER:
-                hook(module)
-        return self.pack_shard(mesh, outer_size, module)
+        if self.needs_row_shards:
+            _refuse_shards_across_rows(self, outer_size, module)
+        # scales, stamps and packs outlive this unshard (training reuses them): never
+        # inference tensors, also when the first forward runs under torch.inference_mode()
+        with torch.inference_mode(False):
+            if self.needs_refresh():  # the float8 step refreshes the whole model at once
+                for hook in BEFORE_ALL_GATHER:
+                    hook(module)
+            return self.pack_shard(mesh, outer_size, module)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if isinstance(out, DTensor):  # a tensor-parallel weight: FSDP2 gathers its local part
             out = out._local_tensor
         outputs = tuple(all_gather_outputs)
         if out is None:
-            return metadata.build(outputs, param_dtype)
+            with torch.inference_mode(False):  # the unsharded weight serves training too
+                return metadata.build(outputs, param_dtype)
         metadata.refill(out, outputs)  # FSDP2 refilled the gathered buffers in place
         return None
 
@@ -289,6 +303,23 @@ def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
         )
 
 
+def _refuse_shards_across_rows(shard: Float8WeightWrapper, outer_size, module) -> None:
+    """FSDP2 with `shard_placement_fn` returning Shard(d), d > 0, cuts every row: a format
+    whose scales are laid along the rows cannot be packed per shard. The shard's shape says
+    so on every rank (a dim-0 shard keeps the other dims whole), so every rank raises."""
+    cut = [d for d in range(1, len(outer_size)) if shard.shape[d] != outer_size[d]]
+    if cut:
+        raise ValueError(
+            f"float8 all-gather of the {tuple(outer_size)} {shard.param_name} of "
+            f"{type(module).__name__} sharded as Shard({cut[0]}) (fully_shard("
+            f"shard_placement_fn=...)) is not supported by its format "
+            f"({type(shard).__name__}): its scales follow the rows, so each rank must hold "
+            "whole rows (Shard(0), FSDP2's default). Return Shard(0) for this weight from "
+            "shard_placement_fn (or drop it), use a tensorwise recipe, or set "
+            "enable_fsdp_float8_all_gather=False (gathered in high precision, cast after)"
+        )
+
+
 def _flat(args, kwargs):
     return tree_leaves((args, kwargs))
 
@@ -308,13 +339,18 @@ def _rebuild_weight_wrapper(cls, tensor, config, is_param=False, requires_grad=F
 
 def state_dict_weight(t: torch.Tensor, *, detach: bool) -> torch.Tensor:
     """`plain_weight(t)` (detached when asked) for a state dict, whose in-place writes
-    (`dcp.load(model.state_dict())`, a rollback) the wrapper sees: under FSDP2 the local
-    tensor of the new DTensor is an autograd-level alias of the inner tensor, so it shares
-    the inner tensor's version counter, which the wrapper's state checks. (A DTensor's
-    `.detach()` would detach below autograd: a counter of its own, writes unseen.)"""
+    (`dcp.load(model.state_dict())`, a rollback, `nn.init.*`) the wrapper sees. Under FSDP2
+    the local tensor of the new DTensor is an autograd-level alias of the inner tensor, so
+    writes into it (`.to_local().mul_()`) move the inner tensor's version counter. Writes
+    into the DTensor itself reach that local tensor below autograd, so only the DTensor's
+    own counter moves: the wrapper's state checks that counter too, also after the DTensor
+    dies (`WeightState.register_alias`)."""
     if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8WeightWrapper):
-        inner = t._local_tensor._tensor
-        return _dtensor_like(t, inner.detach() if detach else inner)
+        wrapper = t._local_tensor
+        inner = wrapper._tensor
+        out = _dtensor_like(t, inner.detach() if detach else inner)
+        wrapper._state.register_alias(out)
+        return out
     own = plain_weight(t)
     return own.detach() if detach else own
 

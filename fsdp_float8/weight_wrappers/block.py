@@ -19,6 +19,8 @@ class BlockFloat8Weight(Float8WeightWrapper):
     def granularity(self):
         return self.strategy.granularity
 
+    needs_row_shards = True
+
     @property
     def block(self) -> tuple[int, int]:
         return self.granularity.block(-1)

@@ -30,6 +30,7 @@ import torch
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
 from fsdp_float8.core.blocks import Block, scale_shape
+from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.weight_wrappers.block import check_block_shards
 from fsdp_float8.weight_wrappers.cast import WeightCast
@@ -81,10 +82,12 @@ class NVFP4Weight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in (aten.detach.default, aten.alias.default):
-            return NVFP4Weight(args[0].record, args[0].dtype)
+            with normal_outputs(args, kwargs):
+                return NVFP4Weight(args[0].record, args[0].dtype)
         # FSDP2 views the unsharded parameter as itself (its full size, from offset 0)
         if func is aten.as_strided.default and _whole(args[0], *args[1:]):
-            return NVFP4Weight(args[0].record, args[0].dtype)
+            with normal_outputs(args, kwargs):
+                return NVFP4Weight(args[0].record, args[0].dtype)
         raise NotImplementedError(
             f"{func} on an all-gathered NVFP4 weight: only NVFP4Linear's GEMMs read it "
             "(dequantize with fsdp_float8.core.nvfp4.dequantize(weight.record) if needed)"
@@ -134,6 +137,8 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
 
     def float8_scale(self, mesh) -> torch.Tensor:
         return self.global_amax(mesh)
+
+    needs_row_shards = True  # 16x16 tiles
 
     def pack_shard(self, mesh, outer_size, module):
         owner = f"the {tuple(outer_size)} weight of {type(module).__name__} (NVFP4 16x16 tiles)"

@@ -8,7 +8,8 @@ does it at dispatch). Wrappers that alias one inner storage (views, slices, `det
 `.data`: what FSDP2 and optimizers make of the sharded parameter) share one state; copies
 get their own. A scale stamped into the state (`stamp_scale`) is fresh while the generation
 is unchanged and no inner tensor of the state was written directly (a checkpoint loader
-writing into a state_dict's plain tensors bumps their `_version`, which is checked too).
+writing into a state_dict's plain tensors bumps their `_version`, which is checked too; a
+state dict's DTensors are checked by their own counters, `register_alias`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ class WeightState:
         # the entry leaves with the tensor (an alias per forward must not pile up)
         key, inners = id(inner), self._inners
         inners[key] = (weakref.ref(inner, lambda _: inners.pop(key, None)), inner._version)
+
+    def register_alias(self, alias: torch.Tensor) -> None:
+        """Check `alias` (a tensor over the same values whose own in-place writes reach the
+        inner tensor below autograd: the DTensor a state dict holds) like an inner tensor,
+        and when it dies, count a write it took since the last stamp as a write here. Its
+        `detach()` shares its version counter and outlives it until then."""
+        shadow, key, inners = alias.detach(), id(alias), self._inners
+
+        def retire(_) -> None:
+            entry = inners.pop(key, None)
+            if entry is not None and shadow._version != entry[1]:
+                self.bump()
+
+        inners[key] = (weakref.ref(alias, retire), alias._version)
 
     def bump(self) -> None:
         self.generation += 1

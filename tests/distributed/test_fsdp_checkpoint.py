@@ -188,3 +188,42 @@ def _convert_after_fully_shard(rank, world_size):
 def test_convert_after_fully_shard_is_refused(tmp_path):
     msg = run_distributed(_convert_after_fully_shard, 1, tmp_path)[0]
     assert msg is not None and "before fully_shard" in msg and "0.weight" in msg
+
+
+# -- a checkpoint without delayed-scaling state, loaded into a delayed-scaling model ---------
+def _tensorwise_into_delayed(rank, world_size, ckpt):
+    from torch import nn
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_float8 import CastConfig, Float8LinearConfig, export_state_dict
+
+    def model(config):
+        torch.manual_seed(rank)  # different weights: the load must bring the saved ones
+        m = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)), config=config)
+        return fully_shard(m, mesh=cpu_mesh(world_size))
+
+    saved = model(Float8LinearConfig.from_recipe_name("tensorwise"))
+    dcp.save(saved.state_dict(), checkpoint_id=ckpt)
+    delayed = CastConfig(scaling_type="delayed")
+    loaded = model(Float8LinearConfig(delayed, None, delayed, None, delayed))
+    try:
+        dcp.load(loaded.state_dict(), checkpoint_id=ckpt)
+        plain = "loaded"
+    except CheckpointException as err:  # DCP's message is the result
+        plain = str(err)
+    dcp.load(export_state_dict(loaded), checkpoint_id=ckpt)  # the documented remedy
+    same = all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(saved.parameters(), loaded.parameters(), strict=True)
+    )
+    loss = loaded(torch.randn(4, 32)).square().mean()
+    loss.backward()
+    sync_float8_amax_and_scale_history(loaded)
+    return {"plain": plain, "same": same, "loss": loss.item()}
+
+
+def test_weights_without_delayed_state_load_with_export_state_dict(tmp_path):
+    out = run_distributed(_tensorwise_into_delayed, 1, tmp_path, str(tmp_path / "c"))[0]
+    assert "fp8_amax" in out["plain"], out  # DCP names the missing delayed-scaling key
+    assert out["same"] and torch.isfinite(torch.tensor(out["loss"])), out

@@ -8,7 +8,9 @@ Counted at the dispatcher with `CollectiveCounter`, on 2 ranks:
   optimizer step (the float8 step's post hook), for 2 or 8 layers, dynamic or delayed, and
   one more before the first forward (the ranks' configs are compared through the store, no
   collective); none in backward; rowwise: none at all;
-- without the hook each float8-gathered weight all-reduces its own amax per all-gather.
+- without the hook each float8-gathered weight all-reduces its own amax per all-gather;
+- each all-gather's size follows torchao's FSDP2 test rule (1 byte per converted weight
+  element, other parameters at their itemsize), recorded as that test records it.
 """
 
 from __future__ import annotations
@@ -140,3 +142,56 @@ def test_collective_bytes_and_counts(tmp_path):
     n_fp8 = 7 * FP8_NO_PRECOMPUTE.n_layers  # wq wk wv wo w1 w2 w3 per block
     s = by_case[FP8_NO_PRECOMPUTE]["steps"][1]
     assert (s["fwd"]["all_reduce"], s["bwd"]["all_reduce"]) == (n_fp8, n_fp8)
+
+
+# -- torchao's all-gather size rule, counted as its FSDP2 test counts ---------------------------
+def _torchao_sizes(rank, world_size):
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
+
+    sizes: list[int] = []
+    # FSDP2 calls all_gather_single on torch 2.13+, all_gather_into_tensor before
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+
+    def recording(name):
+        def gather(output, *args, **kwargs):
+            sizes.append(output.numel() * output.itemsize)
+            return originals[name](output, *args, **kwargs)
+
+        return gather
+
+    torch.manual_seed(42)
+    blocks = [nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(3)]
+    model = convert_to_float8_training(
+        nn.Sequential(*blocks),
+        config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True),
+    )
+    for block in model:
+        fully_shard(block, mesh=cpu_mesh(world_size))
+    fully_shard(model, mesh=cpu_mesh(world_size))
+    # torchao's rule: 1 byte per weight element, the other parameters at their itemsize
+    expected = [
+        sum(
+            p.numel() * (1 if n.endswith("weight") else p.itemsize)
+            for n, p in block.named_parameters()
+        )
+        for block in model
+    ]
+    for name in names:
+        setattr(dist, name, recording(name))
+    try:
+        model(torch.randn(16, 16)).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return sizes, expected
+
+
+def test_all_gather_sizes_follow_torchaos_rule(tmp_path):
+    for sizes, expected in run_distributed(_torchao_sizes, 2, tmp_path, timeout_s=60):
+        # forward: each block once; backward: each block again after its reshard
+        assert sizes == expected + expected[::-1], (sizes, expected)

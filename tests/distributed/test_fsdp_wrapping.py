@@ -44,3 +44,44 @@ def _paths(rank, world_size):
 def test_float8_all_gather_whatever_built_the_layer(tmp_path):
     types = run_distributed(_paths, 1, tmp_path, timeout_s=120)[0]
     assert types == dict.fromkeys(types, Float8Tensor.__name__) and len(types) == 3, types
+
+
+# -- fully_shard(shard_placement_fn=...) other than Shard(0), 2 ranks ---------------------------
+SHARD_1_RECIPES = {
+    "tensorwise": CONFIG,
+    "rowwise": Float8LinearConfig.from_recipe_name("rowwise", enable_fsdp_float8_all_gather=True),
+    "mxfp8": Float8LinearConfig.from_recipe_name("mxfp8", enable_fsdp_float8_all_gather=True),
+    "nvfp4": None,
+}
+
+
+def _shard_1(rank, world_size):
+    from torch.distributed.tensor import Shard
+
+    from fsdp_float8 import NVFP4Config
+
+    mesh = cpu_mesh(world_size)
+    results = {}
+    for name, config in SHARD_1_RECIPES.items():
+        config = config or NVFP4Config(enable_fsdp_float8_all_gather=True)
+        torch.manual_seed(0)
+        model = convert_to_float8_training(
+            nn.Sequential(nn.Linear(64, 64, bias=False)), config=config
+        )
+        fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+        try:
+            model(x).sum().backward()
+            results[name] = "ran"
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            results[name] = f"{type(err).__name__}: {err}"
+    return results
+
+
+def test_shard_placement_other_than_dim_0_runs_or_is_refused_by_name(tmp_path):
+    for results in run_distributed(_shard_1, 2, tmp_path, timeout_s=120):
+        assert results["tensorwise"] == "ran", results
+        for name in ("rowwise", "mxfp8", "nvfp4"):
+            msg = results[name]
+            assert msg.startswith("ValueError") and "Shard(1)" in msg, (name, msg)
+            assert "shard_placement_fn" in msg and "enable_fsdp_float8_all_gather" in msg, msg

@@ -15,6 +15,9 @@
   quantized whole on each rank, gradients all-reduced over the replicas): the same losses.
 - `reshard_after_forward=False`, activation checkpointing, and the float8 step turned off
   (each weight then MAX-reduces its own amax at each all-gather): the same losses.
+- Each layer compiled with inductor (bf16 parameters for the GEMMs; round to nearest
+  without the Hadamard transform, and the default config): the losses of the same model in
+  eager, bit for bit.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ DIM, STEPS = 64, 4
 CONFIG = NVFP4Config(enable_fsdp_float8_all_gather=True)
 
 
-def _model() -> nn.Module:
+def _model(**config) -> nn.Module:
     torch.manual_seed(0)
     blocks = [nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False)]
     model = nn.Sequential(*blocks, nn.Linear(DIM, DIM, bias=False))
-    return convert_to_float8_training(model, config=CONFIG)
+    config = NVFP4Config(enable_fsdp_float8_all_gather=True, **config) if config else CONFIG
+    return convert_to_float8_training(model, config=config)
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -132,6 +136,41 @@ def _grid(rank: int, world: int, ckpt: str) -> dict:
         "checkpoint": _fsdp(mesh, rank, checkpoint=True)["losses"],
         "no_step": _fsdp(mesh, rank, step=False),
     }
+
+
+def _inductor(rank: int, world: int) -> dict:
+    mesh = cpu_mesh(world)
+    out = {}
+    for name, config in INDUCTOR_CONFIGS.items():
+        for compile in (False, True):
+            model_opt = _sharded_with(mesh, config, compile=compile)
+            out[name, compile] = _fsdp(mesh, rank, model_opt=model_opt)["losses"]
+    return out
+
+
+INDUCTOR_CONFIGS = {
+    "round_to_nearest": {"stochastic_rounding": False, "hadamard_grad_weight": False},
+    "default": {"seed": 0},
+}
+
+
+def _sharded_with(mesh, config: dict, *, compile: bool):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = _model(**config)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model:
+        fully_shard(layer, mesh=mesh, mp_policy=bf16)
+        if compile:
+            layer.compile(backend="inductor", dynamic=False)
+    fully_shard(model, mesh=mesh, mp_policy=bf16)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_nvfp4_under_inductor_trains_as_eager(tmp_path):
+    for out in run_distributed(_inductor, 2, tmp_path, timeout_s=300):
+        for name in INDUCTOR_CONFIGS:
+            assert out[name, True] == out[name, False], (name, out)
 
 
 def test_nvfp4_all_gather_trains_as_the_replicated_reference(tmp_path):

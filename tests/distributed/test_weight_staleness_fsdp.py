@@ -8,6 +8,10 @@ rollback): the state dict holds a DTensor over the weight's inner tensor, whose 
 wrapper must see. An optimizer step is followed by the float8 step's own refresh (the
 scale is fresh again, from the new values); every other path leaves it stale.
 
+Writes into the DTensors of `model.state_dict()` (`copy_`, `mul_`, `nn.init.*` on them, 2 ranks,
+every recipe) are checked against a twin written through its parameters: the same next forward,
+bit for bit.
+
 The shard a forward packed for the all-gather is reused by the next all-gather while the
 values stand (backward's re-gather, the next micro-batch): the rowwise test runs every path
 after a forward that packed, so a pack kept across a write would show as a stale output.
@@ -18,10 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_float8 import (
     Float8LinearConfig,
+    NVFP4Config,
     convert_to_float8_training,
     precompute_float8_dynamic_scale_for_fsdp,
     sqnr_db,
@@ -158,3 +163,76 @@ def test_no_stale_rowwise_pack_after_any_mutation(tmp_path):
     results = run_distributed(_rowwise_paths, 1, tmp_path, timeout_s=120)[0]
     bad = {name: round(s, 1) for name, s in results.items() if not s >= SQNR_DB["linear_output"]}
     assert not bad, f"output SQNR dB after each path: {bad}"
+
+
+# -- writes into the DTensors `model.state_dict()` returns, every recipe, 2 ranks --------------
+# Each write is applied to one model through its state dict and to a twin through its
+# parameters (a path the wrapper sees); the next forward must be the twin's, bit for bit.
+STATE_DICT_RECIPES = {
+    "tensorwise": CONFIG,
+    "rowwise": ROWWISE,
+    "mxfp8": Float8LinearConfig.from_recipe_name("mxfp8", enable_fsdp_float8_all_gather=True),
+    "nvfp4": NVFP4Config(enable_fsdp_float8_all_gather=True),
+}
+
+
+def _dtensor_copy_(t):
+    t.copy_(t * 3)
+
+
+def _dtensor_mul_(t):
+    t.mul_(3)
+
+
+def _distribute_copy_(t):
+    full = torch.randn(t.shape, generator=torch.Generator().manual_seed(7))
+    t.copy_(distribute_tensor(full, t.device_mesh, t.placements))
+
+
+def _init_normal_(t):
+    torch.manual_seed(7)
+    nn.init.normal_(t, std=3.0)
+
+
+STATE_DICT_WRITES = {
+    "copy_": _dtensor_copy_,
+    "mul_": _dtensor_mul_,
+    "copy_distribute_tensor": _distribute_copy_,
+    "init.normal_": _init_normal_,
+}
+
+
+def _trained(mesh, config) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    convert_to_float8_training(model, config=config)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _state_dict_writes(rank, world_size):
+    mesh = cpu_mesh(world_size)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(99))
+    results = {}
+    for recipe, config in STATE_DICT_RECIPES.items():
+        for name, write in STATE_DICT_WRITES.items():
+            model, twin = _trained(mesh, config), _trained(mesh, config)
+            with torch.no_grad():
+                write(model.state_dict()["0.weight"])
+                write(twin[0].weight)
+                results[recipe, name] = torch.equal(model(x), twin(x))
+    return results
+
+
+def test_writes_into_state_dict_dtensors_are_seen_by_every_recipe(tmp_path):
+    for results in run_distributed(_state_dict_writes, 2, tmp_path, timeout_s=180):
+        stale = [key for key, same in results.items() if not same]
+        assert not stale, f"(recipe, write) whose next forward is not the twin's: {stale}"

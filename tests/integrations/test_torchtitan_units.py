@@ -77,6 +77,16 @@ def test_filter_fqns_and_all_gather_switch() -> None:
     assert not any(isinstance(m.weight, Float8WeightWrapper) for m in layers.values())
 
 
+def test_filter_fqns_as_one_string_is_one_fqn() -> None:
+    # torchtitan's own filter would test each character of a string: here it is one name
+    one = tt.Float8Converter.Config(filter_fqns="lm_head")
+    listed = tt.Float8Converter.Config(filter_fqns=["lm_head"])
+    layers = _float8_layers(_build(_debug_spec(one).model))
+    assert layers and sorted(layers) == sorted(_float8_layers(_build(_debug_spec(listed).model)))
+    with pytest.raises(TypeError, match="filter_fqns=.*expected a list of non-empty strings"):
+        tt.Float8Converter.Config(filter_fqns=["lm_head", ""]).build()
+
+
 def test_override_on_the_stock_config_swaps_block_linears_only() -> None:
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.models.llama3.config_registry import llama3_debugmodel

@@ -71,3 +71,54 @@ def test_other_float_inputs_still_run(dtype: torch.dtype) -> None:
     mod = Float8Linear.from_float(hp, Float8LinearConfig(emulate=True))
     out = mod(torch.randn(4, IN_FEATURES).to(dtype))
     assert out.dtype == dtype and torch.isfinite(out).all()
+
+
+def _penalty_grad(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    return g
+
+
+def _float8_linear(recipe: str) -> nn.Module:
+    return Float8Linear(64, 32, config=Float8LinearConfig.from_recipe_name(recipe))
+
+
+def _nvfp4_linear() -> nn.Module:
+    from fsdp_float8 import NVFP4Config, NVFP4Linear
+
+    return NVFP4Linear(64, 32, config=NVFP4Config())
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 32, 64))
+
+    def forward(self, x):
+        from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
+
+        plan = ExpertCastPlan.from_config(Float8LinearConfig.from_recipe_name("rowwise"))
+        offs = torch.tensor([8, x.shape[0]], dtype=torch.int32)
+        return float8_grouped_mm(x, self.weight, offs, plan)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: _float8_linear("tensorwise"), "Float8Linear"),
+        (lambda: _float8_linear("rowwise"), "Float8Linear"),
+        (_nvfp4_linear, "NVFP4Linear"),
+        (_Experts, "float8 grouped experts"),
+    ],
+    ids=["tensorwise", "rowwise", "nvfp4", "experts"],
+)
+def test_double_backward_is_refused_naming_the_layer(make, name) -> None:
+    # a gradient penalty differentiates the layer's backward: refused, not a constant
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randn(16, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward") as err:
+        _penalty_grad(layer, x)
+    assert name in str(err.value) and str(tuple(layer.weight.shape)) in str(err.value)
+    # a first-order gradient still runs
+    (g,) = torch.autograd.grad(layer(x).square().sum(), x)
+    assert g.shape == x.shape and not g.requires_grad

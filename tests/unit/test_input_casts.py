@@ -6,7 +6,9 @@ the activation and fewer copies of its cast (counted with a dispatch mode): tens
 shares the forward cast and its column-major copy, rowwise the grad_weight cast. A write
 into the input between two readers, another cast, delayed scaling, activation
 checkpointing and inference mode each make the reader cast for itself; the shared record
-lives until the last reader's backward, not longer.
+lives until the last reader's backward, not longer. Sharing is opt-in
+(`share_input_casts=True`); by default each reader casts for itself, so writes that leave the
+input's version counter alone (`.data`, numpy views, a refilled buffer) are seen.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig
 
 M, K, N = 64, 96, 80
-TENSORWISE = Float8LinearConfig.from_recipe_name("tensorwise")
+# sharing is opt-in; the tests of what it shares turn it on
+TENSORWISE = Float8LinearConfig.from_recipe_name("tensorwise", share_input_casts=True)
+DEFAULT = Float8LinearConfig.from_recipe_name("tensorwise")
 
 
 class _AmaxPasses(TorchDispatchMode):
@@ -73,7 +77,7 @@ _COUNTS = {
 
 @pytest.mark.parametrize("recipe", sorted(_COUNTS))
 def test_readers_of_one_input_share_its_casts_bit_for_bit(recipe):
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = Float8LinearConfig.from_recipe_name(recipe, share_input_casts=True)
     layers = _layers(config, config, config)
     outs, grads, passes = _run(layers, shared=True)
     for layer in layers:
@@ -103,7 +107,7 @@ def test_a_write_into_the_input_between_readers_casts_anew():
     ids=["e5m2_input", "power_of_2"],
 )
 def test_another_cast_casts_for_itself(other):
-    config = Float8LinearConfig.from_recipe_name("tensorwise", **other)
+    config = Float8LinearConfig.from_recipe_name("tensorwise", share_input_casts=True, **other)
     layers = _layers(TENSORWISE, config)
     x = _x()
     with _AmaxPasses() as passes:
@@ -117,7 +121,10 @@ def test_delayed_scaling_records_every_layers_amax():
     # each delayed layer records its input's amax in its own history: no reader skips it
     delayed = CastConfig(scaling_type="delayed")
     config = Float8LinearConfig(
-        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+        cast_config_input=delayed,
+        cast_config_weight=delayed,
+        cast_config_grad_output=delayed,
+        share_input_casts=True,
     )
     layers = _layers(config, config)
     x = _x()
@@ -211,9 +218,91 @@ def _expert_run(config: Float8LinearConfig, shared: bool, same_offs: bool = True
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_expert_projections_of_one_input_share_its_grad_weight_cast(recipe):
-    config = Float8LinearConfig.from_recipe_name(recipe, emulate=True)
+    config = Float8LinearConfig.from_recipe_name(recipe, emulate=True, share_input_casts=True)
     got, shared_casts = _expert_run(config, shared=True)
     want, own_casts = _expert_run(config, shared=False)
     _, other_offs_casts = _expert_run(config, shared=True, same_offs=False)
     assert (shared_casts, own_casts, other_offs_casts) == (1, 2, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+# -- the default: no sharing, so no write can leave a reader a stale cast ------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_readers_cast_for_themselves_by_default(recipe):
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layers = _layers(config, config, config)
+    _, _, passes = _run(layers, shared=True)
+    own = _COUNTS[recipe][1]  # three readers of three copies
+    assert passes == own, (passes, own)
+
+
+def _data_mul(x: torch.Tensor) -> None:
+    x.data.mul_(2)
+
+
+def _data_assign(x: torch.Tensor) -> None:
+    x.data = _x(seed=5).float()
+
+
+def _numpy_mul(x: torch.Tensor) -> None:
+    x.numpy()[:] *= 2
+
+
+def _from_numpy_mul(x: torch.Tensor) -> None:
+    torch.from_numpy(x.numpy()).mul_(2)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [_data_mul, _data_assign, _numpy_mul, _from_numpy_mul],
+    ids=["data.mul_", "data=", "numpy", "from_numpy"],
+)
+def test_writes_that_keep_the_version_counter_are_seen_by_default(write):
+    # writes below the version counter: each reader casts what it reads (float32: numpy)
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Float8Linear(K, N, bias=False, config=DEFAULT) for _ in range(2))
+    x = _x().float()
+    first = layers[0](x)
+    write(x)
+    got = layers[1](x)
+    want = layers[1](x.clone())
+    assert first.requires_grad and torch.equal(got, want)
+
+
+class _Attention(nn.Module):
+    """q, k, v projections of a static input buffer the caller refills."""
+
+    def __init__(self, config: Float8LinearConfig) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.ModuleList(Float8Linear(K, N, bias=False, config=config) for _ in range(3))
+        self.register_buffer("buf", torch.zeros(M, K))
+
+    def forward(self) -> torch.Tensor:
+        q, k, v = (proj(self.buf) for proj in self.qkv)
+        return (torch.softmax(q @ k.t() / N**0.5, -1) @ v).square().sum()
+
+
+def _micro_batch_losses(config: Float8LinearConfig, refill) -> list[torch.Tensor]:
+    # the losses of two micro-batches, summed before one backward: micro-batch 1's graph
+    # (and its readers' contexts) is alive during micro-batch 2's forward
+    block = _Attention(config)
+    losses = []
+    for seed in (1, 2):
+        refill(block.buf, _x(seed).float())
+        losses.append(block())
+    return losses
+
+
+def test_a_refilled_input_buffer_is_cast_anew_each_micro_batch():
+    def data_copy(buf, x):
+        buf.data.copy_(x)
+
+    def fresh(buf, x):  # a write the version counter sees
+        buf.copy_(x)
+
+    got = _micro_batch_losses(DEFAULT, data_copy)
+    want = _micro_batch_losses(DEFAULT, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (got, want)

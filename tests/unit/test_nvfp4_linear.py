@@ -169,6 +169,20 @@ def test_convert_names_layers_and_high_precision_ends_keeps_the_ends() -> None:
         high_precision_ends(model, first=3, last=2, blocks="blocks")
 
 
+def test_high_precision_ends_keeps_the_ends_of_each_stack() -> None:
+    def stack(n: int) -> nn.ModuleList:
+        return nn.ModuleList(nn.Sequential(nn.Linear(32, 32)) for _ in range(n))
+
+    model = nn.Module()
+    model.encoder, model.decoder = nn.Module(), nn.Module()
+    model.encoder.layers, model.decoder.layers = stack(3), stack(4)
+    keep = high_precision_ends(model, first=1, last=1)
+    kept = sorted(n for n, m in model.named_modules() if keep(m, n))
+    assert kept == ["decoder.layers.1.0", "decoder.layers.2.0", "encoder.layers.1.0"], kept
+    with pytest.raises(ValueError, match="first=2, last=2.* 3 blocks of the stack 'encoder'"):
+        high_precision_ends(model, first=2, last=2)
+
+
 def test_state_dict_is_plain_and_loads_back_into_the_wrapper(tmp_path) -> None:
     _, layer = _layer()
     layer = NVFP4Linear.from_float(
@@ -229,3 +243,24 @@ def test_experts_are_refused_unless_kept_out() -> None:
     assert model.float8_conversion_report.experts_skipped == {
         "experts": "rejected by expert_filter_fn"
     }
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"stochastic_rounding": False, "hadamard_grad_weight": False}, {}],
+    ids=["round_to_nearest", "default"],
+)
+def test_inductor_gives_the_eager_outputs_and_gradients_bit_for_bit(config) -> None:
+    # bf16 with a bias: the quantize and the emulated GEMM are one op each, so inductor
+    # neither fuses their rounding away nor splits their tile loops
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    hp = nn.Linear(64, 32).to(torch.bfloat16)
+    layer = NVFP4Linear.from_float(hp, NVFP4Config(**config))
+    layer.fqn = "layer"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    go = torch.randn(32, 32, generator=g).to(torch.bfloat16)
+    eager = _grads(layer, x, go)
+    compiled = _grads(torch.compile(layer, fullgraph=True, backend="inductor"), x, go)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))

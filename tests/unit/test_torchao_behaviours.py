@@ -93,6 +93,25 @@ def test_the_users_filter_is_respected_with_any_dims_when_emulated() -> None:
     assert default.float8_conversion_report.converted == []
 
 
+def test_layers_the_default_filter_skips_are_named_in_a_warning() -> None:
+    # torchao.float8 converts every linear (and fails at the GEMM); the default filter here
+    # keeps the ones float8 GEMMs cannot take in high precision, and says so
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 12), nn.Linear(16, 32))
+    with pytest.warns(UserWarning, match=r"'0' \(3, 3\), '1' \(3, 12\).*module_filter_fn"):
+        convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    assert model.float8_conversion_report.converted == ["2"]
+    with pytest.warns(UserWarning, match=r"'' \(3, 3\)"):
+        root = convert_to_float8_training(nn.Linear(3, 3), config=Float8LinearConfig())
+    assert type(root) is nn.Linear
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped, nothing said
+        convert_to_float8_training(nn.Sequential(nn.Linear(16, 32)), config=Float8LinearConfig())
+        keep = dict(module_filter_fn=lambda m, fqn: fqn != "0")  # the user's own choice
+        convert_to_float8_training(nn.Sequential(nn.Linear(3, 3)), **keep)
+
+
 def test_repr_in_torchaos_format() -> None:
     layer = Float8Linear.from_float(nn.Linear(32, 16), Float8LinearConfig(emulate=True))
     assert repr(layer) == (

@@ -332,6 +332,19 @@ def test_a_foreign_config_is_converted_field_by_field() -> None:
     )
 
 
+def test_foreign_cast_and_gemm_configs_inside_ours_are_converted() -> None:
+    # torchao's CastConfig / Float8GemmConfig given to fsdp_float8's Float8LinearConfig
+    axis = _OtherCast(_Kind.DYNAMIC, _Grain.AXISWISE, E4M3)
+    got = Float8LinearConfig(axis, None, axis, None, axis, gemm_config_output=_OtherGemm(False))
+    want = Float8LinearConfig.from_recipe_name(
+        "rowwise",
+        gemm_config_output=Float8GemmConfig(use_fast_accum=False),
+        round_scales_to_power_of_2=False,
+    )
+    assert got == want
+    assert type(got.cast_config_input) is CastConfig
+
+
 def test_a_foreign_config_we_cannot_honour_is_refused_by_name() -> None:
     @dataclasses.dataclass(frozen=True)
     class WithMore(_OtherConfig):
