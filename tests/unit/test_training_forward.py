@@ -56,6 +56,7 @@ def _run_shape_inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         is_last=True,
         submod=model,
         _stage_meta=SimpleNamespace(inputs=None, outputs=None),
+        _forward_contexts={},  # torch 2.15: no forward context registered
         _to_tensor=lambda t: t.detach().requires_grad_(t.requires_grad),
         _compute_outputs=lambda *args, module, **kw: module(*args, **kw),
     )
