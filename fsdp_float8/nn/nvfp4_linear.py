@@ -119,8 +119,10 @@ def _weight_record(weight: torch.Tensor) -> nvfp4.NVFP4:
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
-    """(rows, tokens) with zero tokens appended up to a multiple of 16 (they add nothing)."""
-    return F.pad(t, (0, -t.shape[1] % nvfp4.RHT_SIZE))
+    """(rows, tokens) with zero tokens appended up to a multiple of 16 (they add nothing),
+    row-major. The input is made row-major first: a pad of 0 keeps a transposed input's
+    strides at run time, where a dynamic-shape trace takes the padded result as row-major."""
+    return F.pad(t.contiguous(), (0, -t.shape[1] % nvfp4.RHT_SIZE))
 
 
 class _NVFP4LinearFn(torch.autograd.Function):

@@ -14,7 +14,13 @@ import torch
 import torch._dynamo.testing
 from torch import nn
 
-from fsdp_float8 import Float8Linear, Float8Tensor, convert_to_float8_training, hp_to_float8
+from fsdp_float8 import (
+    Float8Linear,
+    Float8Tensor,
+    NVFP4Config,
+    convert_to_float8_training,
+    hp_to_float8,
+)
 from fsdp_float8.core.config import E4M3
 from fsdp_float8.core.scaling import amax_to_scale
 from tests.unit.float8_helpers import RECIPES, SCALINGS, make_config
@@ -119,14 +125,25 @@ def test_delayed_compiles_one_graph_for_any_number_of_micro_batches():
     assert model[0].delayed_scaling.syncs == 3  # after each optimizer step (one process: no seed)
 
 
-@pytest.mark.parametrize("kind", ["tensorwise", "rowwise"])
+# torch 2.11's Dynamo asserts (overwrite_tensor_vt_proxy) when NVFP4's autograd function,
+# whose forward branches on its input's shape (the quantize and GEMM checks), is recompiled
+# with dynamic shapes; torch 2.13+ traces it. README says: dynamic=False for NVFP4 there.
+_DYNAMO_211 = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+_NVFP4_DYNAMIC = pytest.mark.xfail(
+    _DYNAMO_211, reason="torch 2.11's Dynamo: NVFP4 dynamic-shape recompile", strict=True
+)
+
+
+@pytest.mark.parametrize(
+    "kind", ["tensorwise", "rowwise", pytest.param("nvfp4", marks=_NVFP4_DYNAMIC)]
+)
 def test_layers_of_two_shapes_trace_a_dynamic_shape_recompile(kind):
     """Two layers of different shapes compiled with the default `dynamic=None`: dynamo
     recompiles the shared forward code with dynamic shapes, which must trace on every
     supported torch (no shape is kept on the autograd context) and give eager's numbers."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48, bias=False), nn.ReLU(), nn.Linear(48, 32, bias=False))
-    config = make_config(kind, "dynamic")
+    config = NVFP4Config(emulate=True) if kind == "nvfp4" else make_config(kind, "dynamic")
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: True)
     eager = copy.deepcopy(model)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
