@@ -206,43 +206,59 @@ GPU_SHAPES = {  # one SwiGLU block: dim, hidden, tokens
     "small": (256, 768, 2048),
     "llama3_8b": (4096, 14336, 8192),
 }
+# what gpu_bench.sh times compiled (bench_linear --compile-only): one linear, MxKxN
+GPU_LINEARS = ("16384x4096x14336", "16384x8192x28672")
 
 
-def _gemm_flops(recipe: str, dim: int, hidden: int, tokens: int) -> dict[str, float]:
-    """FLOPs of the block's 9 GEMMs (3 per linear) by the dtype they run in."""
-    per_gemm = 2.0 * tokens * dim * hidden  # each of w1, w3, w2 has dim x hidden weights
+def _gemm_flops(recipe: str, linears: list[tuple[int, int, int]]) -> dict[str, float]:
+    """FLOPs of the 3 GEMMs of each (M, K, N) linear by the dtype they run in."""
+    per_gemm = sum(2.0 * m * k * n for m, k, n in linears)
     low = {"bf16": "bf16", "nvfp4": "fp4"}.get(recipe, "fp8")
-    flops = {low: 3 * 2 * per_gemm}  # output and grad_input of the three linears
+    flops = {low: 2 * per_gemm}  # output and grad_input
     grad_weight = "bf16" if recipe in ("bf16", "rowwise_with_gw_hp") else low
-    flops[grad_weight] = flops.get(grad_weight, 0.0) + 3 * per_gemm
+    flops[grad_weight] = flops.get(grad_weight, 0.0) + per_gemm
     return flops
 
 
+def _gpu_model(shape: str) -> tuple[torch.nn.Module, tuple[int, int], list]:
+    """`shape` ("small", "llama3_8b" or "MxKxN"): the bf16 model on meta, its input's
+    shape, and its linears' (M, K, N)."""
+    if shape in GPU_SHAPES:
+        dim, hidden, tokens = GPU_SHAPES[shape]
+        model: torch.nn.Module = FeedForward(dim, hidden)
+        linears = [(tokens, dim, hidden)] * 2 + [(tokens, hidden, dim)]
+        return model, (tokens, dim), linears
+    m, k, n = (int(v) for v in shape.split("x"))
+    # in a container: the conversion swaps a model's children, not the model itself
+    return torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)), (m, k), [(m, k, n)]
+
+
 def gpu_block_counts(gpu: str, lib: str, recipe: str, shape: str, cubin: bool = False) -> dict:
-    """The SwiGLU block at `shape`, converted by `lib` per `recipe` ("bf16": not converted),
-    lowered for `gpu`: launches, non-GEMM bytes, GEMM FLOPs and the roofline time."""
+    """The SwiGLU block at `shape` (or one linear, "MxKxN"), converted by `lib` per `recipe`
+    ("bf16": not converted), lowered for `gpu`: launches, non-GEMM bytes, GEMM FLOPs and
+    the roofline time of its forward + backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from f8train import gpu_codegen as gc
     from fsdp_float8 import NVFP4Config
 
-    dim, hidden, tokens = GPU_SHAPES[shape]
     with gc.gpu_codegen(gpu, cubin=cubin) as log:
         with torch.device("meta"):
-            model = FeedForward(dim, hidden).to(torch.bfloat16)
+            model, x_shape, linears = _gpu_model(shape)
+            model = model.to(torch.bfloat16)
         if recipe == "nvfp4":
             convert_to_float8_training(model, config=NVFP4Config())
         elif recipe != "bf16":
             convert(model, lib, recipe, module_filter_fn=None)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = model.to_empty(device="cuda")
-            x = torch.empty(tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         torch.compile(model, backend=gc.codegen_backend(log), fullgraph=True)(x)
     graphs = {g.kind: g for g in gc.summaries(log)}
     if len(log.dynamo_graphs) != 1 or set(graphs) != {"forward", "backward"}:
         raise RuntimeError(f"{len(log.dynamo_graphs)} graphs: {sorted(graphs)}")
     fwd, bwd = graphs["forward"], graphs["backward"]
-    flops = _gemm_flops(recipe, dim, hidden, tokens)
+    flops = _gemm_flops(recipe, linears)
     nongemm = fwd.triton_bytes + bwd.triton_bytes
     return {
         "triton_fwd": fwd.triton,
@@ -317,7 +333,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eager", action="store_true", help="only the eager count")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--gpu", choices=sorted(GPU_RECIPES), help="GPU codegen counts for this GPU")
-    p.add_argument("--shapes", default=",".join(GPU_SHAPES), help="with --gpu: block shapes")
+    p.add_argument(
+        "--shapes",
+        default=",".join(GPU_SHAPES),
+        help=f"with --gpu: SwiGLU blocks {sorted(GPU_SHAPES)} or single linears {GPU_LINEARS}",
+    )
     p.add_argument("--cubin", action="store_true", help="with --gpu: build every cubin too")
     args = p.parse_args(argv)
     if args.gpu:
@@ -340,7 +360,7 @@ def _gpu_main(p, args) -> dict:
     recipes = GPU_RECIPES[args.gpu]
     if args.recipes != ",".join(RECIPES):
         recipes = tuple(parse_choices(p, args.recipes, GPU_RECIPES[args.gpu], "recipe(s)"))
-    shapes = parse_choices(p, args.shapes, tuple(GPU_SHAPES), "shape(s)")
+    shapes = parse_choices(p, args.shapes, (*GPU_SHAPES, *GPU_LINEARS), "shape(s)")
     ao_error = torchao_error()
     results = gpu_table(args.gpu, list(recipes), shapes, ao_error, args.cubin)
     date = datetime.date.today().isoformat()
@@ -348,7 +368,7 @@ def _gpu_main(p, args) -> dict:
     print(f"\n{date}, torch {torch.__version__}, GPU codegen for {args.gpu}; torchao: {ao}\n")
     print(gpu_markdown(args.gpu, results))
     payload = {"date": date, "torch": torch.__version__, "gpu": args.gpu, "torchao_error": ao_error}
-    payload |= {"shapes": {s: GPU_SHAPES[s] for s in shapes}, "blocks": results}
+    payload |= {"shapes": shapes, "blocks": results}
     write_json(args.json, payload)
     return payload
 
