@@ -28,6 +28,9 @@ lists every launch, and each kernel's own estimate of the bytes it moves.
 - `GraphLowering.compile_to_module`: each wrapper module is recorded (`CodegenLog.graphs`);
 - `torch._functorch.config.force_non_lazy_backward_lowering`: the backward graph is
   lowered when the forward is compiled, so a forward call yields both;
+- Inductor's config: caches off (every graph is lowered afresh), compile in-process, and
+  `benchmark_kernel`, which makes each kernel carry Inductor's estimate of the bytes it
+  moves (`kernel_num_gb`); Dynamo is reset and its counters cleared on entry and exit;
 - `torch.autograd.grad` for cuda tensors: AOTAutograd traces the joint graph with it, and
   the C++ engine asks for a CUDA context on cuda nodes; the walk is done in Python (nodes
   in the engine's order, each gradient summed to its input's shape and cast to its dtype).
@@ -97,14 +100,15 @@ class CodegenLog:
 
 
 def check_versions() -> None:
-    import triton
-
+    """Raise RuntimeError unless this is the CUDA build of torch 2.11 with triton 3.6."""
     if not torch.__version__.startswith(TORCH_VERSION) or torch.version.cuda is None:
         raise RuntimeError(
             f"f8train.gpu_codegen patches torch {TORCH_VERSION}x (CUDA build) internals; "
             f"this is torch {torch.__version__} (cuda {torch.version.cuda}). Use the "
             "fake-CUDA venv: make test-gpucodegen"
         )
+    import triton
+
     if not triton.__version__.startswith(TRITON_VERSION):
         raise RuntimeError(
             f"f8train.gpu_codegen patches triton {TRITON_VERSION}x internals; this is "
@@ -397,6 +401,7 @@ def gpu_codegen(gpu: str = "h100", *, cubin: bool = True) -> Iterator[CodegenLog
             triton_driver._default, triton_driver._active = saved_driver
             _clear_device_caches()
             torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
 
 
 def _clear_device_caches() -> None:
