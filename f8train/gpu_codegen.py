@@ -91,13 +91,6 @@ class CodegenLog:
     graphs: list = field(default_factory=list)
     kernels: list = field(default_factory=list)
 
-    def since(self, mark: tuple[int, int, int]) -> CodegenLog:
-        d, g, k = mark
-        return CodegenLog(self.dynamo_graphs[d:], self.graphs[g:], self.kernels[k:])
-
-    def mark(self) -> tuple[int, int, int]:
-        return len(self.dynamo_graphs), len(self.graphs), len(self.kernels)
-
 
 def check_versions() -> None:
     """Raise RuntimeError unless this is the CUDA build of torch 2.11 with triton 3.6."""
