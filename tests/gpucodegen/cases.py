@@ -134,11 +134,26 @@ def experts(gpu: str, recipe: str, tokens: int = 256, n_experts: int = 4) -> Com
     return _result(log)
 
 
+def _convert_torchao(model: nn.Module, recipe: str) -> None:
+    """torchao's float8 (not a dependency: `compare_fsdp` only): float8 all-gather where
+    torchao has it (tensorwise), bf16 all-gather otherwise."""
+    import dataclasses
+
+    import torchao.float8 as ao
+
+    cfg = ao.Float8LinearConfig.from_recipe_name(recipe)
+    cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=recipe == "tensorwise")
+    ao.convert_to_float8_training(model, config=cfg, module_filter_fn=lambda m, f: f != "output")
+
+
 @functools.cache
-def fsdp_step(recipe: str, ac: bool, world: int = 8, n_blocks: int = 2) -> Compiled:
+def fsdp_step(
+    recipe: str, ac: bool, world: int = 8, n_blocks: int = 2, lib: str = "fsdp_float8"
+) -> Compiled:
     """The training step as torchtitan runs it, on rank 1 of a fake world: float8 all-gather,
     activation checkpointing per block when `ac`, each block compiled then `fully_shard`,
-    the root sharded too. One forward compiles both graphs of every block."""
+    the root sharded too. One forward compiles both graphs of every block. `lib`
+    "torchao": torchao's conversion instead, its scales precomputed as its docs ask."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -153,9 +168,12 @@ def fsdp_step(recipe: str, ac: bool, world: int = 8, n_blocks: int = 2) -> Compi
             with torch.device("cuda"):
                 model = Transformer(block_args(n_blocks))
                 tokens = torch.randint(0, 256, (BATCH, SEQ))
-            convert_to_float8_training(
-                model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "output"
-            )
+            if lib == "torchao":
+                _convert_torchao(model, recipe)
+            else:
+                convert_to_float8_training(
+                    model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "output"
+                )
             for i, blk in enumerate(model.blocks):
                 if ac:
                     blk = checkpoint_wrapper(blk)
@@ -163,6 +181,10 @@ def fsdp_step(recipe: str, ac: bool, world: int = 8, n_blocks: int = 2) -> Compi
                 fully_shard(blk, mesh=mesh, mp_policy=mp)
                 model.blocks[i] = blk
             fully_shard(model, mesh=mesh, mp_policy=mp)
+            if lib == "torchao" and recipe == "tensorwise":
+                from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+                precompute_float8_dynamic_scale_for_fsdp(model)
             logits = model(tokens)
             assert logits.shape == (BATCH, SEQ, 256)
     return _result(log)
