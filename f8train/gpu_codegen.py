@@ -463,6 +463,25 @@ def launches(src: str) -> dict:
             "host_syncs": syncs}  # fmt: skip
 
 
+_ALLOC = re.compile(r"^\s+(\w+) = empty_strided_cuda\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)", re.M)
+
+
+def returned_buffer_bytes(src: str) -> int:
+    """Bytes of the buffers a wrapper allocates and returns: for a forward graph, what it
+    keeps for the backward beyond its inputs (the activations it saves)."""
+    body = call_body(src)
+    returns = [line for line in body.splitlines() if line.strip().startswith("return ")]
+    if not returns:
+        return 0
+    names = set(re.findall(r"\b\w+\b", returns[-1].split("return ", 1)[1]))
+    total = 0
+    for name, dims, dtype in _ALLOC.findall(body):
+        if name in names:
+            numel = math.prod(int(d) for d in dims.split(",") if d.strip())
+            total += numel * getattr(torch, dtype).itemsize
+    return total
+
+
 def kernel_bytes(src: str) -> int:
     """Inductor's own estimate of the bytes a Triton kernel moves (its `inductor_meta`'s
     `kernel_num_gb`, written when `benchmark_kernel` is on), in bytes."""
@@ -487,14 +506,16 @@ class GraphSummary:
     fallback: list
     host_syncs: list
     triton_bytes: int
+    saved_bytes: int  # forward: the buffers it returns for the backward
 
     @classmethod
     def of(cls, graph: dict) -> GraphSummary:
         found = launches(graph["src"])
         sources = _kernel_sources(graph["src"])
         moved = sum(kernel_bytes(sources.get(name, "")) for name in found["triton"])
+        saved = returned_buffer_bytes(graph["src"])
         return cls(graph["kind"], len(found["triton"]), found["gemms"], found["extern"],
-                   found["fallback"], found["host_syncs"], moved)  # fmt: skip
+                   found["fallback"], found["host_syncs"], moved, saved)  # fmt: skip
 
 
 def summaries(log: CodegenLog) -> list[GraphSummary]:

@@ -39,3 +39,15 @@ def test_fsdp_step(recipe, ac):
         # forward's two are recomputed)
         bmm = 2 if graph.kind == "forward" else 6 if ac else 4
         assert graph.gemms == {"_scaled_mm": n, "bmm": bmm}, (graph.kind, graph.gemms)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: under activation checkpointing the compiled block's backward does not "
+    "recompute the float8 linears (14 scaled GEMMs, torchao's 20), so its forward keeps "
+    "buffers for the backward that checkpointing should drop (torchao 0.18 keeps none)",
+)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_activation_checkpointing_keeps_no_activation(recipe):
+    (fwd,) = cases.fsdp_step(recipe, True, n_blocks=BLOCKS).of_kind("forward")
+    assert fwd.saved_bytes == 0
