@@ -45,7 +45,8 @@ def test_fsdp_step(recipe, ac):
     strict=True,
     reason="open: under activation checkpointing the compiled block's backward does not "
     "recompute the float8 linears (14 scaled GEMMs, torchao's 20), so its forward keeps "
-    "buffers for the backward that checkpointing should drop (torchao 0.18 keeps none)",
+    "buffers for the backward that checkpointing should drop (torchao 0.18 keeps none): "
+    "Dynamo's autograd.Function operator is not recomputed (docs/results.md)",
 )
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_activation_checkpointing_keeps_no_activation(recipe):
