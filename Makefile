@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 
-.PHONY: venv test test-torch test-gpu-torch test-fakecuda test-extras test-slow test-gpu train format
+.PHONY: venv test test-torch test-gpu-torch test-fakecuda test-gpucodegen test-extras test-slow test-gpu train format
 
 venv: $(STAMP)
 
@@ -72,6 +72,12 @@ test-gpu-torch: $(FVENV)/.installed
 test-fakecuda: $(FVENV)/.installed
 	$(FBIN)/python -c "import torch; assert torch.version.cuda, 'not a CUDA build'; print('torch', torch.__version__)"
 	$(FBIN)/python -m pytest -m fakecuda tests/fakecuda -v -rf --tb=short
+
+# The GPU-codegen lane (tests/gpucodegen, f8train/gpu_codegen.py), in the fake-CUDA venv:
+# Inductor's forward and backward GPU code for one H100 / B200, every Triton kernel built
+# for sm_90 / sm_100 (cubins for a subset of the recipes), no GPU; launch counts pinned.
+test-gpucodegen: $(FVENV)/.installed
+	OMP_NUM_THREADS=1 $(FBIN)/python -m pytest -m gpucodegen tests/gpucodegen -v -rf --tb=short
 
 # The extras lane: the tests marked `extras` (torchao, transformers, torchtitan, accelerate,
 # matplotlib) in a second venv, .venv-extras. torch==2.13.0 (the CPU wheel) is installed

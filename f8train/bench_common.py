@@ -39,7 +39,10 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312.0},
     "L40S": {"bf16": 362.0},
     "L4": {"bf16": 121.0},
+    "B200": {"bf16": 2250.0, "fp8": 4500.0, "fp4": 9000.0},  # HGX B200, 1,000 W
 }
+# HBM bandwidth (TB/s) of the same parts, for the roofline of `count_kernels --gpu`.
+PEAK_HBM_TBPS: dict[str, float] = {"H100": 3.35, "H200": 4.8, "B200": 8.0}
 Column = tuple[str, Callable[[dict], str]]
 
 

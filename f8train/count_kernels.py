@@ -4,13 +4,21 @@ Run (from the repository root; no torchrun: the eager part spawns its own 2 CPU 
     python -m f8train.count_kernels                       # both tables, every recipe
     python -m f8train.count_kernels --compiled --recipes tensorwise,rowwise
     python -m f8train.count_kernels --eager --json /tmp/counts.json
+    python -m f8train.count_kernels --gpu h100             # GPU codegen: torch 2.11 CUDA build
 
+Two clock-free counts of the work around the GEMMs
 Two clock-free counts of the work around the GEMMs, for bf16, this library per recipe and
 torchao's float8 where it imports: inductor's kernels for one SwiGLU block, forward +
 backward, and the non-view aten ops of one steady FSDP2 step on 2 gloo ranks (`top` as a
 dispatch mode sees them, `deep` inside the float8 subclasses too). For that step also the
 bytes the `deep` ops other than GEMMs and collectives write, in MB (10^6 bytes) per rank:
 fresh outputs and in-place targets, no views (`bench_common.written_bytes`).
+
+`--gpu h100|b200` instead lowers the SwiGLU block as Inductor does for that GPU (on a CPU,
+with the CUDA build of torch 2.11: f8train/gpu_codegen.py) at a small shape and at Llama-3
+8B's (dim 4096, hidden 14336, 8,192 tokens): Triton launches forward / backward, the bytes
+Inductor estimates its non-GEMM kernels move, GEMM FLOPs by dtype, and a roofline time of
+the block's forward + backward (`gpu_codegen.roofline_seconds`) with its speedup over bf16.
 docs/results.md says more.
 """
 
@@ -36,6 +44,7 @@ from f8train.bench_common import (
 from f8train.bench_fsdp import AG, PRESETS, build, convert, train_step
 from f8train.model import FeedForward
 from f8train.rank_exit import exit_rank
+from fsdp_float8 import convert_to_float8_training
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -189,6 +198,132 @@ def markdown(compiled: dict, eager: dict) -> str:
     return markdown_table(headers, rows)
 
 
+GPU_RECIPES = {
+    "h100": ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"),
+    "b200": ("tensorwise", "rowwise", "mxfp8", "nvfp4"),
+}
+GPU_SHAPES = {  # one SwiGLU block: dim, hidden, tokens
+    "small": (256, 768, 2048),
+    "llama3_8b": (4096, 14336, 8192),
+}
+# what gpu_bench.sh times compiled (bench_linear --compile-only): one linear, MxKxN
+GPU_LINEARS = ("16384x4096x14336", "16384x8192x28672")
+
+
+def _gemm_flops(recipe: str, linears: list[tuple[int, int, int]]) -> dict[str, float]:
+    """FLOPs of the 3 GEMMs of each (M, K, N) linear by the dtype they run in."""
+    per_gemm = sum(2.0 * m * k * n for m, k, n in linears)
+    low = {"bf16": "bf16", "nvfp4": "fp4"}.get(recipe, "fp8")
+    flops = {low: 2 * per_gemm}  # output and grad_input
+    grad_weight = "bf16" if recipe in ("bf16", "rowwise_with_gw_hp") else low
+    flops[grad_weight] = flops.get(grad_weight, 0.0) + per_gemm
+    return flops
+
+
+def _gpu_model(shape: str) -> tuple[torch.nn.Module, tuple[int, int], list]:
+    """`shape` ("small", "llama3_8b" or "MxKxN"): the bf16 model on meta, its input's
+    shape, and its linears' (M, K, N)."""
+    if shape in GPU_SHAPES:
+        dim, hidden, tokens = GPU_SHAPES[shape]
+        model: torch.nn.Module = FeedForward(dim, hidden)
+        linears = [(tokens, dim, hidden)] * 2 + [(tokens, hidden, dim)]
+        return model, (tokens, dim), linears
+    m, k, n = (int(v) for v in shape.split("x"))
+    # in a container: the conversion swaps a model's children, not the model itself
+    return torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)), (m, k), [(m, k, n)]
+
+
+def gpu_block_counts(gpu: str, lib: str, recipe: str, shape: str, cubin: bool = False) -> dict:
+    """The SwiGLU block at `shape` (or one linear, "MxKxN"), converted by `lib` per `recipe`
+    ("bf16": not converted), lowered for `gpu`: launches, non-GEMM bytes, GEMM FLOPs and
+    the roofline time of its forward + backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from f8train import gpu_codegen as gc
+    from fsdp_float8 import NVFP4Config
+
+    with gc.gpu_codegen(gpu, cubin=cubin) as log:
+        with torch.device("meta"):
+            model, x_shape, linears = _gpu_model(shape)
+            model = model.to(torch.bfloat16)
+        if recipe == "nvfp4":
+            convert_to_float8_training(model, config=NVFP4Config())
+        elif recipe != "bf16":
+            convert(model, lib, recipe, module_filter_fn=None)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = model.to_empty(device="cuda")
+            x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.compile(model, backend=gc.codegen_backend(log), fullgraph=True)(x)
+    graphs = {g.kind: g for g in gc.summaries(log)}
+    if len(log.dynamo_graphs) != 1 or set(graphs) != {"forward", "backward"}:
+        raise RuntimeError(f"{len(log.dynamo_graphs)} graphs: {sorted(graphs)}")
+    fwd, bwd = graphs["forward"], graphs["backward"]
+    flops = _gemm_flops(recipe, linears)
+    nongemm = fwd.triton_bytes + bwd.triton_bytes
+    return {
+        "triton_fwd": fwd.triton,
+        "triton_bwd": bwd.triton,
+        "gemms": dict(fwd.gemms + bwd.gemms),
+        "other_launches": sorted(
+            op for g in (fwd, bwd) for op in g.extern + g.fallback if op not in g.gemms
+        ),
+        "nongemm_bytes": nongemm,
+        "gemm_flops": flops,
+        "roofline_s": gc.roofline_seconds(gpu, nongemm, flops),
+    }
+
+
+def _gpu_cases(gpu: str, recipes: list[str], ao_error: str | None) -> list[tuple[str, str]]:
+    cases = [("ours", "bf16")]
+    for recipe in recipes:
+        cases.append(("ours", recipe))
+        if recipe in TORCHAO_RECIPES and ao_error is None:
+            cases.append(("torchao", recipe))
+    return cases
+
+
+def gpu_table(gpu: str, recipes: list[str], shapes: list[str], ao_error, cubin=False) -> dict:
+    results: dict = {}
+    for shape in shapes:
+        for lib, recipe in _gpu_cases(gpu, recipes, ao_error):
+            label = f"{shape} {_label(lib, recipe).replace(' (float8 all-gather)', '')}"
+            try:
+                results[label] = gpu_block_counts(gpu, lib, recipe, shape, cubin)
+            except Exception as exc:  # reported in the table; the next case still runs
+                results[label] = {"error": short_error(exc)}
+            print(f"{gpu} {label}: {results[label]}", flush=True)
+    return results
+
+
+def gpu_markdown(gpu: str, results: dict) -> str:
+    rows = []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, r["error"], *["-"] * 7])
+            continue
+        shape = label.split(" ", 1)[0]
+        base = results.get(f"{shape} bf16", {}).get("roofline_s")
+        theirs = results.get(label.replace("fsdp_float8 ", "torchao ", 1), {})
+        vs = "-"
+        if label.startswith(f"{shape} fsdp_float8 ") and "triton_fwd" in theirs:
+            ours_n, ao_n = (
+                r["triton_fwd"] + r["triton_bwd"],
+                theirs["triton_fwd"] + theirs["triton_bwd"],
+            )
+            vs = f"{ours_n / ao_n:.2f}x / {r['nongemm_bytes'] / theirs['nongemm_bytes']:.2f}x"
+        gemms = " ".join(f"{op} {n}" for op, n in sorted(r["gemms"].items()))
+        flops = " + ".join(f"{f / 1e9:.1f} {d}" for d, f in sorted(r["gemm_flops"].items()))
+        speedup = f"{base / r['roofline_s']:.2f}x" if base else "-"
+        rows.append([
+            label, f"{r['triton_fwd']} + {r['triton_bwd']}", gemms,
+            f"{r['nongemm_bytes'] / 1e6:.1f}", vs, flops,
+            f"{r['roofline_s'] * 1e6:.1f}", speedup,
+        ])  # fmt: skip
+    headers = ["", "Triton launches fwd + bwd", "GEMMs", "non-GEMM MB", "launches / MB vs torchao"]
+    headers += ["GEMM GFLOP by dtype", f"roofline {gpu} (us)", "speedup vs bf16"]
+    return markdown_table(headers, rows)
+
+
 def main(argv: list[str] | None = None) -> dict:
     import argparse
 
@@ -197,7 +332,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compiled", action="store_true", help="only the compiled count")
     p.add_argument("--eager", action="store_true", help="only the eager count")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--gpu", choices=sorted(GPU_RECIPES), help="GPU codegen counts for this GPU")
+    p.add_argument(
+        "--shapes",
+        default=",".join(GPU_SHAPES),
+        help=f"with --gpu: SwiGLU blocks {sorted(GPU_SHAPES)} or single linears {GPU_LINEARS}",
+    )
+    p.add_argument("--cubin", action="store_true", help="with --gpu: build every cubin too")
     args = p.parse_args(argv)
+    if args.gpu:
+        return _gpu_main(p, args)
     ao_error = torchao_error()
     cases = _cases(parse_choices(p, args.recipes, RECIPES, "recipe(s)"), ao_error)
     compiled = compiled_table(cases) if args.compiled or not args.eager else {}
@@ -207,6 +351,24 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{date}, torch {torch.__version__}, CPU; torchao: {ao}\n\n{markdown(compiled, eager)}")
     payload = {"date": date, "torch": torch.__version__, "torchao_error": ao_error}
     payload |= {"compiled": compiled, "eager": eager}
+    write_json(args.json, payload)
+    return payload
+
+
+def _gpu_main(p, args) -> dict:
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")  # no CUDA driver here
+    recipes = GPU_RECIPES[args.gpu]
+    if args.recipes != ",".join(RECIPES):
+        recipes = tuple(parse_choices(p, args.recipes, GPU_RECIPES[args.gpu], "recipe(s)"))
+    shapes = parse_choices(p, args.shapes, (*GPU_SHAPES, *GPU_LINEARS), "shape(s)")
+    ao_error = torchao_error()
+    results = gpu_table(args.gpu, list(recipes), shapes, ao_error, args.cubin)
+    date = datetime.date.today().isoformat()
+    ao = ao_error or importlib.metadata.version("torchao")
+    print(f"\n{date}, torch {torch.__version__}, GPU codegen for {args.gpu}; torchao: {ao}\n")
+    print(gpu_markdown(args.gpu, results))
+    payload = {"date": date, "torch": torch.__version__, "gpu": args.gpu, "torchao_error": ao_error}
+    payload |= {"shapes": shapes, "blocks": results}
     write_json(args.json, payload)
     return payload
 

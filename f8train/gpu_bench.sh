@@ -66,9 +66,11 @@ step fsdp 40 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 
   -m f8train.bench_fsdp --device cuda --json "$OUT/fsdp.json"
 step cast 15 "$PYTHON" -m f8train.bench_cast --device cuda --json "$OUT/cast.json"
 FFN=16384x4096x14336,16384x8192x28672
-step linear_compile 45 "$PYTHON" -m f8train.bench_linear --device cuda --shapes "$FFN" \
-  --recipes tensorwise,rowwise --compile-only --warmup 3 --iters 10 \
-  --json "$OUT/linear_compile.json"
+# then each measured time beside the roofline predicted for it on a CPU (f8train/gpu_predicted.py)
+LINEAR_COMPILE=(-m f8train.bench_linear --device cuda --shapes "$FFN" --recipes tensorwise,rowwise
+  --compile-only --warmup 3 --iters 10 --json "$OUT/linear_compile.json")
+step linear_compile 45 bash -c '"$0" "${@:2}"; "$0" -m f8train.gpu_predicted "$1"' \
+  "$PYTHON" "$OUT/linear_compile.json" "${LINEAR_COMPILE[@]}"
 
 if [ "$DRY" = 1 ]; then
   echo "total ${TOTAL} s worst case (limits plus ${KILL_S} s kill margin each)"

@@ -21,6 +21,9 @@ The differences (checked on CPU with torch 2.11.0, 2.13.0 and 2.15.0):
   2.13; where it is missing or refuses CPU the emulated grouped GEMM loops over experts:
   ``grouped_mm_available``. ``torch._scaled_grouped_mm`` (float8, CUDA SM90+) is asked for by
   ``scaled_grouped_mm_available``.
+- ``torch.nn.functional.scaled_mm`` calls ``torch._scaled_mm_v2``, which torch 2.11's Dynamo
+  does not trace (a graph break, an error under ``fullgraph=True``); the aten op itself
+  traces on every version: ``scaled_mm_v2``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,40 @@ __all__ = [
     "premul_sum_factor",
     "reduce_scatter_single",
     "scaled_grouped_mm_available",
+    "scaled_mm_v2",
 ]
+
+
+def scaled_mm_v2(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: list[torch.Tensor],
+    recipe_a: list,
+    scale_b: list[torch.Tensor],
+    recipe_b: list,
+    swizzle_a: list | None = None,
+    swizzle_b: list | None = None,
+    *,
+    output_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a, swizzle_b)`` with
+    every argument a list (recipes and swizzles as ``F.ScalingType`` / ``F.SwizzleType``),
+    as the aten op ``F.scaled_mm`` reaches, so that Dynamo traces it on every torch."""
+    return torch.ops.aten._scaled_mm_v2.default(
+        a,
+        b,
+        scale_a,
+        [r.value for r in recipe_a],
+        [s.value for s in swizzle_a or []],
+        scale_b,
+        [r.value for r in recipe_b],
+        [s.value for s in swizzle_b or []],
+        None,
+        output_dtype,
+        [],
+        use_fast_accum,
+    )
 
 
 _ROW_SCALES: bool | None = None

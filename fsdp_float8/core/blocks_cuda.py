@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fsdp_float8.core._compat import scaled_mm_v2
 from fsdp_float8.core.payload import E8M0, e8m0_from_scale
 
 _FP32_PAIRS = {((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))}
@@ -59,8 +60,9 @@ def cuda_block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, fa
         sa = swizzle_32_4_4(e8m0_from_scale(a_scale))
         # a gathered weight's scale comes swizzled, built once per unshard (e8m0 already)
         sb = b_scale if b_scale.dtype == E8M0 else swizzled_right_scale(b_scale, b_block, n)
-        recipe, swizzle = st.BlockWise1x32, F.SwizzleType.SWIZZLE_32_4_4
-        return F.scaled_mm(a, b, sa, recipe, sb, recipe, swizzle, swizzle, output_dtype=out_dtype)
+        # torch._scaled_mm reads swizzled e8m0 scales as MX 1x32 blocks; Inductor (torch
+        # 2.11) keeps its operands' layouts, not those of _scaled_mm_v2 with e8m0 scales
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=out_dtype)
     inv_a, inv_b = a_scale.reciprocal(), b_scale.reciprocal()
     if a_block == (1, 128):
         ra, sa = st.BlockWise1x128, inv_a.t().contiguous().t()  # (M, K/128), M-major
@@ -70,7 +72,7 @@ def cuda_block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, fa
         rb, sb = st.BlockWise1x128, inv_b.contiguous().t()  # (N, K/128), N-major
     else:
         rb, sb = st.BlockWise128x128, _k_padded_t(inv_b.t())  # (L4, N/128), stride (1, L4)
-    return F.scaled_mm(a, b, sa, ra, sb, rb, output_dtype=out_dtype, use_fast_accum=fast)
+    return scaled_mm_v2(a, b, [sa], [ra], [sb], [rb], output_dtype=out_dtype, use_fast_accum=fast)
 
 
 def swizzled_right_scale(scale: torch.Tensor, block, n: int) -> torch.Tensor:

@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fsdp_float8.core._compat import scaled_mm_v2
 from fsdp_float8.core.blocks import Block, expand_block_scale, scale_shape
 from fsdp_float8.core.blocks_cuda import swizzle_32_4_4
 from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
@@ -439,7 +440,7 @@ def nvfp4_mm(
     st, sw = F.ScalingType, F.SwizzleType
     recipe, swizzle = [st.BlockWise1x16, st.TensorWise], [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
     native = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    out = F.scaled_mm(
+    out = scaled_mm_v2(
         data_a, data_b.t(), scales_a, recipe, scales_b, recipe, swizzle, swizzle,
         output_dtype=native,
     )  # fmt: skip

@@ -387,5 +387,5 @@ class StaticScaling:
 def static_scale_tensor(value: float, device: torch.device) -> torch.Tensor:
     """A static scale as a 0-d float32 tensor on `device` (`constant`): never write into it."""
     if torch.compiler.is_compiling():  # a constant of the graph
-        return torch.tensor(value, dtype=torch.float32, device=device)
+        return torch.full((), value, dtype=torch.float32, device=device)
     return constant(value, torch.float32, device)

@@ -96,3 +96,23 @@ def test_compare_runs_cli_imports_no_torch_and_refuses_training_flags(tmp_path):
         timeout=60,
     )
     assert refused.returncode == 2 and "--runs trains nothing" in refused.stderr
+
+
+def test_linear_compile_prints_each_measured_time_beside_its_prediction(tmp_path, capsys):
+    from f8train import gpu_predicted
+
+    shape = "16384x4096x14336"
+    measured = {"results": [
+        {"shape": shape, "mode": "compile", "recipe": "tensorwise", "bf16_ms": 7.0, "float8_ms": 5.0},
+        {"shape": shape, "mode": "eager", "recipe": "tensorwise", "bf16_ms": 9.0, "float8_ms": 8.0},
+    ]}  # fmt: skip
+    path = tmp_path / "linear_compile.json"
+    path.write_text(json.dumps(measured))
+    table = gpu_predicted.main([str(path)])
+    predicted = json.loads(gpu_predicted.DEFAULT.read_text())["blocks"]
+    want = predicted[f"{shape} fsdp_float8 tensorwise"]["roofline_s"] * 1e3
+    assert [row[:3] for row in table] == [[shape, "bf16", "7.000"], [shape, "tensorwise", "5.000"]]
+    assert table[1][3:] == [f"{want:.3f}", f"{5.0 / want:.2f}"]
+    assert "predicted ms (h100)" in capsys.readouterr().out
+    _, _, commands = zip(*_dry_run()[0])
+    assert any("f8train.gpu_predicted" in c and "linear_compile.json" in c for c in commands)

@@ -1,0 +1,54 @@
+"""GPU codegen of the training step as torchtitan runs it: FSDP2 `fully_shard` per block on
+8 fake ranks, float8 all-gather, each block compiled (FSDP2's hooks outside the compiled
+region), activation checkpointing on and off. Each block: one forward and one backward
+graph, 3 float8 GEMMs per linear, no high-precision `mm`, no host sync."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpucodegen import cases
+
+pytestmark = pytest.mark.gpucodegen
+BLOCKS = 2
+# Triton launches (forward, backward) of the compiled block, pinned: the float8 all-gather
+# brings the weights in float8, so the block casts activations and gradients only
+TRITON = {
+    ("tensorwise", False): (31, 29),
+    ("tensorwise", True): (29, 34),
+    ("rowwise", False): (25, 42),
+    ("rowwise", True): (22, 50),
+}
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp_step(recipe, ac):
+    compiled = cases.fsdp_step(recipe, ac, n_blocks=BLOCKS)
+    assert compiled.graph_breaks == 0
+    # the blocks share their code: the first compiles, the second reuses it (a graph
+    # break would add graphs)
+    assert compiled.dynamo_graphs == 1
+    kinds = [g.kind for g in compiled.graphs]
+    assert kinds == ["forward", "backward"], kinds
+    assert tuple(g.triton for g in compiled.graphs) == TRITON[(recipe, ac)]
+    for graph in compiled.graphs:
+        assert graph.host_syncs == [], (graph.kind, graph.host_syncs)
+        n = cases.LINEARS * (1 if graph.kind == "forward" else 2)
+        # attention's batched GEMMs: 2 forward, 4 backward (6 when checkpointed: the
+        # forward's two are recomputed)
+        bmm = 2 if graph.kind == "forward" else 6 if ac else 4
+        assert graph.gemms == {"_scaled_mm": n, "bmm": bmm}, (graph.kind, graph.gemms)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: under activation checkpointing the compiled block's backward does not "
+    "recompute the float8 linears (14 scaled GEMMs, torchao's 20), so its forward keeps "
+    "buffers for the backward that checkpointing should drop (torchao 0.18 keeps none): "
+    "Dynamo's autograd.Function operator is not recomputed (docs/results.md)",
+)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_activation_checkpointing_keeps_no_activation(recipe):
+    (fwd,) = cases.fsdp_step(recipe, True, n_blocks=BLOCKS).of_kind("forward")
+    assert fwd.saved_bytes == 0
