@@ -48,6 +48,11 @@ def generation() -> int:
     return _generation[0]
 
 
+def builds() -> int:
+    """How many structures were built in this process so far."""
+    return _builds[0]
+
+
 def _unit_params(units: list[Unit]) -> tuple[int, ...]:
     return tuple(id(getattr(u.module, u.name)) for u in units)
 

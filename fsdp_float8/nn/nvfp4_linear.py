@@ -227,9 +227,18 @@ class NVFP4Linear(nn.Linear):
         gen = torch.Generator().manual_seed(_seed(self.config.seed, self._fqn, "hadamard"))
         self._hadamard = nvfp4.random_hadamard(gen)
 
-    def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name == "config" and hasattr(self, "_fqn"):
+    # A property, not a `__setattr__` override: FSDP2 swaps the sharded and unsharded
+    # weight in and out of the module by a plain dict write only while the class keeps
+    # `nn.Module.__setattr__`; otherwise each swap registers the parameter anew.
+    @property
+    def config(self) -> NVFP4Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: NVFP4Config) -> None:
+        """A new config (its seed) re-seeds the layer's draws once the layer is named."""
+        self._config = config
+        if "_fqn" in self.__dict__:
             self._reseed()
 
     def hadamard(self, device: torch.device) -> torch.Tensor:
