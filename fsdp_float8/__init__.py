@@ -28,6 +28,7 @@ from fsdp_float8.core.config import (
     ScalingType,
 )
 from fsdp_float8.core.config_fields import Float8ConfigError
+from fsdp_float8.core.delayed_state import export_state_dict
 from fsdp_float8.core.float8_ops import scaled_mm
 from fsdp_float8.core.float8_tensor import Float8Tensor, _rebuild_float8_tensor, hp_to_float8
 from fsdp_float8.core.gemms import Gemm, Operand
@@ -35,7 +36,6 @@ from fsdp_float8.core.numerics import sqnr_db
 from fsdp_float8.core.recipes import _auto_filter_for_recipe
 from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
 from fsdp_float8.experts.modules import Float8FusedExperts, Float8GroupedExperts
-from fsdp_float8.fsdp.delayed_state import export_state_dict
 from fsdp_float8.fsdp.step import (
     Float8Step,
     StepPlan,

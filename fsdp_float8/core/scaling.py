@@ -20,7 +20,7 @@ contraction dim, 128x128 weight blocks, MX 1x32 with e8m0 scales; see `fsdp_floa
 Each granularity also casts with its scale (`cast`), since a block scale does not broadcast.
 Strategies say where the scale comes from:
 - `DynamicScaling`: from the tensor's own amax, now.
-- `DelayedScaling`: from a history of past amaxes (`fsdp_float8.fsdp.delayed_state`, the one
+- `DelayedScaling`: from a history of past amaxes (`fsdp_float8.core.delayed_state`, the one
   home of that state); the current amax is recorded for the next sync.
 - `StaticScaling`: a fixed user-given number.
 
@@ -290,7 +290,7 @@ class Blockwise:
 
 
 class AmaxRecord(Protocol):
-    """One operand's delayed state as a cast sees it (`fsdp_float8.fsdp.delayed_state`)."""
+    """One operand's delayed state as a cast sees it (`fsdp_float8.core.delayed_state`)."""
 
     scale: torch.Tensor  # () float32: the synced scale
     initialized: torch.Tensor  # () bool: a sync has happened
@@ -346,7 +346,7 @@ class DynamicScaling:
 @dataclass(frozen=True)
 class DelayedScaling:
     """Tensorwise only. The scale comes from the layer's `DelayedState` (its buffers and
-    history live in `fsdp_float8.fsdp.delayed_state`); the current amax is recorded there for the
+    history live in `fsdp_float8.core.delayed_state`); the current amax is recorded there for the
     next sync. Before the first sync the operand is scaled by its own amax."""
 
     history_len: int = 16

@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_, group_of
 from fsdp_float8.core.config import Operand
+from fsdp_float8.core.delayed_state import DelayedScalingState
 from fsdp_float8.core.scaling import tensor_amaxes
-from fsdp_float8.fsdp.delayed_state import DelayedScalingState
 from fsdp_float8.fsdp.rank_agreement import fingerprint, handshake
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight

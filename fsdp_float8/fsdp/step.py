@@ -44,8 +44,8 @@ from torch.optim.optimizer import (
 )
 
 from fsdp_float8.core.amax_sync import Group, group_of
+from fsdp_float8.core.delayed_state import is_training_forward
 from fsdp_float8.fsdp import refresh as _refresh
-from fsdp_float8.fsdp.delayed_state import is_training_forward
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, units_of
 from fsdp_float8.fsdp.streams import caller_stream, first_stream, on_stream
 from fsdp_float8.fsdp.structure import Structure, held_by

@@ -44,7 +44,7 @@ from torchtitan.config.override import derive, override  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
-from fsdp_float8.fsdp.delayed_state import DelayedScalingState  # noqa: E402
+from fsdp_float8.core.delayed_state import DelayedScalingState  # noqa: E402
 from fsdp_float8.integrations.model_parts import enable_float8_steps  # noqa: E402
 from fsdp_float8.nn.linear import Float8Linear  # noqa: E402
 

@@ -26,6 +26,7 @@ from fsdp_float8.core.cast_plan import CastPlan, Pair
 from fsdp_float8.core.config import Float8LinearConfig, ScalingType
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.config_foreign import as_float8_linear_config
+from fsdp_float8.core.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
 from fsdp_float8.core.gemms import (
@@ -38,7 +39,6 @@ from fsdp_float8.core.gemms import (
 )
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
 from fsdp_float8.formats.weight_operands import weight_for
-from fsdp_float8.fsdp.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_float8 import convert_to_float8_training
-from fsdp_float8.fsdp.delayed_state import nonfinite_amaxes
+from fsdp_float8.core.delayed_state import nonfinite_amaxes
 from tests.distributed.launcher import cpu_mesh, run_distributed
 from tests.unit.test_delayed_nonfinite import BAD_STEP, CONFIG, STEPS, _Residual
 

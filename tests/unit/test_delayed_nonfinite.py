@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
-from fsdp_float8.fsdp.delayed_state import nonfinite_amaxes
+from fsdp_float8.core.delayed_state import nonfinite_amaxes
 
 DELAYED = CastConfig(scaling_type="delayed")
 CONFIG = Float8LinearConfig(

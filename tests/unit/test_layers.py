@@ -3,13 +3,13 @@ layers below it, so no two subpackages import each other, directly or around a c
 
     core -> formats -> weight_wrappers -> nn, experts -> tensor_parallel, fsdp
          -> tools, integrations (and the package's face: fsdp_float8/__init__.py, the
-            torchao-compatible `float8/` paths, the deprecated top-level aliases)
+            torchao-compatible `float8/` paths)
 
 Two subpackages of one layer may import each other one way (`nn/convert.py` swaps in
-`experts/` modules), never both ways. A module sits in its folder's layer unless `PLACED`
-says otherwise, with the reason. The graph is parsed with `ast` (`tests/import_graph.py`):
-imports inside functions and `TYPE_CHECKING` blocks count, as a lazy import hides a
-dependency without removing it.
+`experts/` modules), never both ways. Every module sits in its folder's layer: the folder
+graph (subpackages as nodes, imports as edges) has no circle. The graph is parsed with
+`ast` (`tests/import_graph.py`): imports inside functions and `TYPE_CHECKING` blocks
+count, as a lazy import hides a dependency without removing it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,6 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         {"tools", "integrations", "float8", TOP},
     )
 )
-# modules whose layer is not their folder's
-PLACED = {
-    # the delayed-scaling state imports only core/; a float8 linear (nn/) builds one, the
-    # float8 step (fsdp/) syncs it; weight_wrappers/ reaches it only through a protocol
-    "fsdp_float8.fsdp.delayed_state": "core",
-}
 
 
 def subpackage(module: str) -> str:
@@ -45,20 +39,16 @@ def subpackage(module: str) -> str:
 
 
 def layer(module: str) -> int:
-    name = PLACED.get(module, subpackage(module))
+    name = subpackage(module)
     return next(i for i, names in enumerate(LAYERS) if name in names)
 
 
 def subpackage_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """Subpackage -> the other subpackages its modules import (PLACED modules count as
-    their own node, named by the module)."""
-
-    def node(m: str) -> str:
-        return m if m in PLACED else subpackage(m)
-
+    """Folder graph: each subpackage (a folder under fsdp_float8/, the face as one node) ->
+    the other subpackages its modules import. Every module counts as its folder."""
     edges: dict[str, set[str]] = {}
     for module, targets in graph.items():
-        edges.setdefault(node(module), set()).update(node(t) for t in targets)
+        edges.setdefault(subpackage(module), set()).update(subpackage(t) for t in targets)
     return {n: targets - {n} for n, targets in edges.items()}
 
 
@@ -73,7 +63,6 @@ def test_every_subpackage_has_a_layer():
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     placed = set().union(*LAYERS)
     assert folders - placed == set(), sorted(folders - placed)
-    assert set(PLACED) <= set(module_graph(PACKAGE)), sorted(PLACED)
 
 
 def test_no_circle_between_subpackages():
@@ -94,8 +83,12 @@ def test_the_checks_find_a_circle_and_an_upward_import():
     }
     assert circles(subpackage_graph(graph)) == [{"experts", "fsdp", "nn"}]
     assert upward_imports(graph) == ["fsdp_float8.experts.modules -> fsdp_float8.fsdp.refresh"]
-    # a module placed lower than its folder may not import its folder's layer
-    placed = {"fsdp_float8.fsdp.delayed_state": {"fsdp_float8.weight_wrappers.base"}}
-    assert upward_imports(placed) == [
-        "fsdp_float8.fsdp.delayed_state -> fsdp_float8.weight_wrappers.base"
-    ]
+    # a module imported by a lower layer is a circle of folders, whatever it imports itself:
+    # nn/ builds the delayed state the float8 step (fsdp/) syncs, fsdp/ imports nn/
+    graph = {
+        "fsdp_float8.nn.linear": {"fsdp_float8.fsdp.delayed_state"},
+        "fsdp_float8.fsdp.delayed_state": {"fsdp_float8.core.scaling"},
+        "fsdp_float8.fsdp.step": {"fsdp_float8.nn.convert"},
+    }
+    assert circles(subpackage_graph(graph)) == [{"fsdp", "nn"}]
+    assert upward_imports(graph) == ["fsdp_float8.nn.linear -> fsdp_float8.fsdp.delayed_state"]

@@ -11,7 +11,7 @@ package and, below, on a snippet that breaks it and one that only looks alike:
   included) is spelled only in core/gemms.py, and no helper works out an operand's other
   GEMM by hand;
 - delayed-scaling state (its `fp8_*` buffers and host flags) lives only in
-  fsdp/delayed_state.py;
+  core/delayed_state.py;
 - the post-optimizer refresh (precomputed weight scales, delayed syncs) is driven only from
   fsdp/refresh.py;
 - no module imports numpy (a scripts-only dependency);
@@ -89,12 +89,12 @@ RULES = [
         lookalike="if g is not None:\n    pass",
     ),
     _rule(
-        rules.fp8_buffers, {"fsdp/delayed_state.py"}, required=True,
+        rules.fp8_buffers, {"core/delayed_state.py"}, required=True,
         violation='self.register_buffer(f"fp8_amax_{name}", t)',
         lookalike='self.register_buffer("running_mean", t)',
     ),
     _rule(
-        rules.delayed_flags, {"fsdp/delayed_state.py"},
+        rules.delayed_flags, {"core/delayed_state.py"},
         violation="a, state.synced_step = 1, 2",
         lookalike="n = state.synced_step",
     ),

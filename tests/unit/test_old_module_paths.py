@@ -1,7 +1,7 @@
 """The module paths of earlier releases still import, with a DeprecationWarning.
 
 `fsdp_float8.delayed_state` and `fsdp_float8.comm_stats` moved into subpackages
-(`fsdp_float8.fsdp.delayed_state`, `fsdp_float8.tools.comm_stats`), the weight wrappers from
+(`fsdp_float8.core.delayed_state`, `fsdp_float8.tools.comm_stats`), the weight wrappers from
 `fsdp_float8.fsdp.weight_wrappers` to `fsdp_float8.weight_wrappers`; the old paths are thin
 aliases for one release: importing one warns, names the new path, and gives the very
 objects of the new home (so isinstance checks and patches keep working).
@@ -26,7 +26,7 @@ import fsdp_float8
 
 OLD_PATHS = {
     "fsdp_float8.delayed_state": (
-        "fsdp_float8.fsdp.delayed_state",
+        "fsdp_float8.core.delayed_state",
         ["DelayedScalingState", "DelayedState", "export_state_dict"],
     ),
     "fsdp_float8.comm_stats": (

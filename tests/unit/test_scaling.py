@@ -9,6 +9,7 @@ import torch
 from fsdp_float8 import Float8Linear, Float8LinearConfig, hp_to_float8, scaled_mm, sqnr_db
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.core.config import E4M3, E5M2
+from fsdp_float8.core.delayed_state import DelayedState
 from fsdp_float8.core.gemm import row_scaled_mm_around_unit_gemm
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.numerics import SQNR_DB, saturation_fraction, underflow_fraction
@@ -27,7 +28,6 @@ from fsdp_float8.core.scaling import (
     tensor_amax,
     tensor_amaxes,
 )
-from fsdp_float8.fsdp.delayed_state import DelayedState
 
 CAST_BAR = {E4M3: SQNR_DB["cast_e4m3"], E5M2: SQNR_DB["cast_e5m2"]}
 DTYPE_IDS = {E4M3: "e4m3", E5M2: "e5m2"}

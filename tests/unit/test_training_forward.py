@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.pipelining.stage import PipelineStage
 
 from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
-from fsdp_float8.fsdp.delayed_state import is_training_forward, shape_inference_codes
+from fsdp_float8.core.delayed_state import is_training_forward, shape_inference_codes
 
 DELAYED = CastConfig(scaling_type="delayed")
 CONFIG = Float8LinearConfig(
@@ -34,7 +34,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # pipelining's shape-inference method: torch 2.13+ runs it with gradients enabled on the
 # stage's input (uninitialized memory on a later stage), torch 2.11 and 2.12 under no_grad
-# on zeros; the library recognises both by name (fsdp.delayed_state)
+# on zeros; the library recognises both by name (core.delayed_state)
 _METHOD = next(
     name
     for name in ("_forward_metadata_inference", "_shape_inference")
