@@ -64,8 +64,8 @@ from fsdp_float8.weight_wrappers.wrap import (
 
 
 def _old_wrapper_paths() -> list[tuple[Callable, str]]:
-    """(object, its path under `fsdp_float8.weight_wrappers`): checkpoints pickled before
-    the move name these `fsdp_float8.fsdp.weight_wrappers.<module>.<name>`."""
+    """(object, its path under `fsdp_float8.weight_wrappers`): some checkpoints name these
+    `fsdp_float8.fsdp.weight_wrappers.<module>.<name>`, a path that is no module."""
     objects: list[Callable] = [DynamicFloat8Weight, BlockFloat8Weight, DelayedFloat8Weight]
     objects += [StaticFloat8Weight, _rebuild_weight_wrapper]
     paths = [(o, f"{o.__module__}.{o.__qualname__}") for o in objects]
@@ -93,7 +93,7 @@ _SAFE_GLOBALS: list[Callable | tuple[Callable, str]] = [
     Operand,
     Gemm,
 ]
-# the weight wrappers' module paths before they became a layer of their own
+# those names resolve from this table alone: torch.load(weights_only=True) imports nothing
 _SAFE_GLOBALS += [(obj, f"fsdp_float8.fsdp.{path}") for obj, path in _old_wrapper_paths()]
 torch.serialization.add_safe_globals(_SAFE_GLOBALS)
 

@@ -1,22 +1,24 @@
-"""The module paths of earlier releases still import, with a DeprecationWarning.
+"""Internal module paths that are not (or no longer) modules, and checkpoints that name them.
 
-`fsdp_float8.delayed_state` and `fsdp_float8.comm_stats` moved into subpackages
-(`fsdp_float8.core.delayed_state`, `fsdp_float8.tools.comm_stats`), the weight wrappers from
-`fsdp_float8.fsdp.weight_wrappers` to `fsdp_float8.weight_wrappers`; the old paths are thin
-aliases for one release: importing one warns, names the new path, and gives the very
-objects of the new home (so isinstance checks and patches keep working).
+The delayed-scaling state is `fsdp_float8.core.delayed_state`, the collective counter
+`fsdp_float8.tools.comm_stats`, the weight wrappers `fsdp_float8.weight_wrappers`; the names
+a user needs are exported by `fsdp_float8` and by the torchao-compatible paths
+(`fsdp_float8.float8.*`, docs/torchao.md "Public import paths"). Other spellings of those
+modules do not import.
 
-A checkpoint written with `torch.save` before the weight wrappers moved names their classes
-by the old path (tests/fixtures/old_module_paths/weight_wrappers.pt: one float8 all-gather
-weight per scaling kind, saved by the release that had them under `fsdp/`): it loads with
-`weights_only=True` (the old names are safe globals) and without (the aliases import).
+A checkpoint pickled while the weight-wrapper classes lived under
+`fsdp_float8.fsdp.weight_wrappers` (tests/fixtures/old_module_paths/weight_wrappers.pt: one
+float8 all-gather weight per scaling kind) names their classes by those paths. It loads
+with `torch.load(weights_only=True)`: `fsdp_float8/__init__.py` registers the classes as
+safe globals under those names, and the unpickler takes them from that table without
+importing a module. Without `weights_only` the unpickler imports the named module, which
+does not exist.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,51 +26,41 @@ import torch
 
 import fsdp_float8
 
-OLD_PATHS = {
-    "fsdp_float8.delayed_state": (
-        "fsdp_float8.core.delayed_state",
-        ["DelayedScalingState", "DelayedState", "export_state_dict"],
+GONE = [
+    "fsdp_float8.comm_stats",
+    "fsdp_float8.delayed_state",
+    "fsdp_float8.fsdp.delayed_state",
+    "fsdp_float8.fsdp.weight_wrappers",
+    *(
+        f"fsdp_float8.fsdp.weight_wrappers.{m}"
+        for m in ("base", "block", "delayed", "dynamic", "gather", "state", "static")
     ),
-    "fsdp_float8.comm_stats": (
-        "fsdp_float8.tools.comm_stats",
-        ["CollectiveCounter", "CollectiveKind", "CollectiveRecord"],
-    ),
-    "fsdp_float8.fsdp.weight_wrappers": (
-        "fsdp_float8.weight_wrappers.wrap",
-        ["BlockFloat8Weight", "DelayedFloat8Weight", "DynamicFloat8Weight", "StaticFloat8Weight"]
-        + ["Float8WeightWrapper", "note_replaced", "plain_weight", "replaced_parameter"]
-        + ["wrap_weight", "wrapper_class"],
-    ),
-    "fsdp_float8.fsdp.weight_wrappers.base": (
-        "fsdp_float8.weight_wrappers.base",
-        ["Float8WeightWrapper", "_rebuild_weight_wrapper", "plain_weight", "state_dict_weight"],
-    ),
-    "fsdp_float8.fsdp.weight_wrappers.block": (
+]
+# (public path, name) -> (the object's home, its name there)
+_DYNAMIC = ("fsdp_float8.weight_wrappers.dynamic", "DynamicFloat8Weight")
+PUBLIC = {
+    ("fsdp_float8", "export_state_dict"): ("fsdp_float8.core.delayed_state", "export_state_dict"),
+    ("fsdp_float8", "DynamicFloat8Weight"): _DYNAMIC,
+    ("fsdp_float8", "BlockFloat8Weight"): (
         "fsdp_float8.weight_wrappers.block",
-        ["BlockFloat8Weight", "check_block_shards"],
+        "BlockFloat8Weight",
     ),
-    "fsdp_float8.fsdp.weight_wrappers.delayed": (
+    ("fsdp_float8", "DelayedFloat8Weight"): (
         "fsdp_float8.weight_wrappers.delayed",
-        ["DelayedFloat8Weight"],
+        "DelayedFloat8Weight",
     ),
-    "fsdp_float8.fsdp.weight_wrappers.dynamic": (
-        "fsdp_float8.weight_wrappers.dynamic",
-        ["DynamicFloat8Weight"],
-    ),
-    "fsdp_float8.fsdp.weight_wrappers.static": (
+    ("fsdp_float8", "StaticFloat8Weight"): (
         "fsdp_float8.weight_wrappers.static",
-        ["StaticFloat8Weight"],
+        "StaticFloat8Weight",
     ),
-    # one record per format, each in its format's module
-    "fsdp_float8.fsdp.weight_wrappers.gather": (
-        "fsdp_float8.formats",
-        ["block.BlockGather", "rowwise.RowwiseGather", "tensorwise.TensorwiseGather"],
+    ("fsdp_float8.tools.comm_stats", "CollectiveCounter"): (
+        "fsdp_float8.tools.comm_stats",
+        "CollectiveCounter",
     ),
-    "fsdp_float8.fsdp.weight_wrappers.state": (
-        "fsdp_float8.weight_wrappers.state",
-        ["WeightState", "written_args"],
-    ),
+    ("fsdp_float8.float8.fsdp_utils", "WeightWithDynamicFloat8CastTensor"): _DYNAMIC,
+    ("fsdp_float8.float8.float8_linear", "WeightWithDynamicFloat8CastTensor"): _DYNAMIC,
 }
+PACKAGE = Path(fsdp_float8.__file__).resolve().parent
 OLD_CHECKPOINT = (
     Path(__file__).resolve().parents[1] / "fixtures" / "old_module_paths" / "weight_wrappers.pt"
 )
@@ -81,42 +73,29 @@ KINDS = {  # fixture key -> the class it must load as
 }
 
 
-def _fresh_import(name: str):
+@pytest.mark.parametrize("name", GONE)
+def test_old_internal_paths_do_not_import(name: str) -> None:
     sys.modules.pop(name, None)
-    __import__(name)  # an import statement's path (importlib.import_module is a frame more)
-    return sys.modules[name]
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError:
+        return
+    finally:
+        sys.modules.pop(name, None)
+    # a setuptools editable install of another checkout answers, from that checkout, for a
+    # top-level submodule this package lacks: what matters is that this package has none
+    assert not Path(module.__file__).is_relative_to(PACKAGE), module.__file__
 
 
-@pytest.mark.parametrize("old", sorted(OLD_PATHS))
-def test_old_path_warns_and_gives_the_same_objects(old: str) -> None:
-    new, names = OLD_PATHS[old]
-    with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*{new}") as caught:
-        alias = _fresh_import(old)
-    # the warning points at the importing line, not at the import machinery
-    assert caught[0].filename == __file__
-    for dotted in names:  # a name, or module.name under the new home
-        module, _, name = dotted.rpartition(".")
-        target = importlib.import_module(f"{new}.{module}" if module else new)
-        assert getattr(alias, name) is getattr(target, name), dotted
-    assert sorted(alias.__all__) == sorted(n.rpartition(".")[2] for n in names)
+@pytest.mark.parametrize("where,name", sorted(PUBLIC))
+def test_public_names_import_from_their_public_paths(where: str, name: str) -> None:
+    home, home_name = PUBLIC[where, name]
+    obj = getattr(importlib.import_module(where), name)
+    assert obj is getattr(importlib.import_module(home), home_name)
 
 
-def test_from_import_of_an_old_path() -> None:
-    sys.modules.pop("fsdp_float8.delayed_state", None)
-    with pytest.warns(DeprecationWarning):
-        from fsdp_float8.delayed_state import export_state_dict
-    import fsdp_float8
-
-    assert export_state_dict is fsdp_float8.export_state_dict
-
-
-@pytest.mark.parametrize("weights_only", [True, False])
-def test_a_checkpoint_with_the_old_weight_wrapper_paths_loads(weights_only: bool) -> None:
-    for name in [n for n in sys.modules if n.startswith("fsdp_float8.fsdp.weight_wrappers")]:
-        sys.modules.pop(name)  # the unpickler must import the alias itself
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        loaded = torch.load(OLD_CHECKPOINT, weights_only=weights_only)
+def test_a_checkpoint_with_the_old_weight_wrapper_paths_loads_weights_only() -> None:
+    loaded = torch.load(OLD_CHECKPOINT, weights_only=True)
     assert sorted(k for k in loaded if "." not in k) == sorted(KINDS)
     for kind, cls in KINDS.items():
         weight = loaded[kind]
@@ -124,3 +103,10 @@ def test_a_checkpoint_with_the_old_weight_wrapper_paths_loads(weights_only: bool
         torch.testing.assert_close(weight.data._tensor, loaded[f"{kind}.values"], rtol=0, atol=0)
     # the config travelled with the wrapper: the static scale is the one saved
     assert loaded["static"].data._config.cast_config_weight.static_scale == 0.5
+    # taken from the safe-globals table: no module of the old path was imported
+    assert not [n for n in sys.modules if n.startswith("fsdp_float8.fsdp.weight_wrappers")]
+
+
+def test_the_old_checkpoint_without_weights_only_names_the_missing_module() -> None:
+    with pytest.raises(ModuleNotFoundError, match="fsdp_float8.fsdp.weight_wrappers"):
+        torch.load(OLD_CHECKPOINT, weights_only=False)
