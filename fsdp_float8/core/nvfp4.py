@@ -268,10 +268,13 @@ def quantize(
     `generator` (block factors rounded up; a torch.Generator or uniform draws shaped like
     x, e.g. `hashed_uniform`), else round to nearest even (nearest factors)."""
     _check_quantize(x, amax, block)
-    if isinstance(generator, torch.Generator):  # eager only: a generator's state
-        parts = _quantize_parts(x.detach(), amax.detach(), *block, generator)
-    else:  # one op, so that a compiled graph quantizes as eager does, bit for bit
+    # draws (a tensor) or none: one op, so that a compiled graph quantizes as eager does,
+    # bit for bit; a torch.Generator (eager only: its state) takes the Python path. The
+    # tensor test comes first: torch 2.15's Dynamo refuses isinstance(tensor, Generator)
+    if generator is None or isinstance(generator, torch.Tensor):
         parts = quantize_op(x.detach(), amax.detach(), block[0], block[1], generator)
+    else:
+        parts = _quantize_parts(x.detach(), amax.detach(), *block, generator)
     return NVFP4(*parts, block)
 
 
