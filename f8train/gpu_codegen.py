@@ -1,4 +1,4 @@
-"""Inductor's GPU code generation on a machine without a GPU: compile, never run.
+"""Inductor's GPU code generation on a machine without a GPU: kernels built, none executed.
 
 With the CUDA build of torch 2.11.0 (triton 3.6.0 and ptxas come with it) `torch.compile`
 lowers a model on FakeTensors placed on `cuda` exactly as it would on one H100 (sm_90) or
