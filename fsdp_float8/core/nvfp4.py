@@ -271,6 +271,7 @@ def quantize(
     # draws (a tensor) or none: one op, so that a compiled graph quantizes as eager does,
     # bit for bit; a torch.Generator (eager only: its state) takes the Python path. The
     # tensor test comes first: torch 2.15's Dynamo refuses isinstance(tensor, Generator)
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     if generator is None or isinstance(generator, torch.Tensor):
         parts = quantize_op(x.detach(), amax.detach(), block[0], block[1], generator)
     else:
