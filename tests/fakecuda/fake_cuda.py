@@ -236,10 +236,13 @@ def backward(outputs, grads=None) -> None:
             continue
         roots.append(out.grad_fn)
         _add(pending[out.grad_fn], out.output_nr, grad)
-    for node in _engine_order(roots):
-        _run_node(node, pending.pop(node, {}), pending)
-    while _GRAPH is not None and _GRAPH.callbacks:
-        _GRAPH.callbacks.pop(0)()
+    # grad mode off, as the engine runs a backward without create_graph (the float8 layers
+    # refuse a backward under grad mode: a double backward)
+    with torch.no_grad():
+        for node in _engine_order(roots):
+            _run_node(node, pending.pop(node, {}), pending)
+        while _GRAPH is not None and _GRAPH.callbacks:
+            _GRAPH.callbacks.pop(0)()
 
 
 def _run_node(node, given: dict, pending: dict) -> None:
