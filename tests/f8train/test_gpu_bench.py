@@ -1,6 +1,6 @@
-"""f8train/gpu_bench.sh fits a 15-minute GPU budget (start-up and one rerun), and its
-comparison of the two training runs reads partial runs: checked on CPU (the run itself needs
-a GPU)."""
+"""f8train/gpu_bench.sh's steps add up to at most 6 minutes (their limits, kill margins
+included), and its comparison of the two training runs reads partial runs: checked on CPU
+(the run itself needs a GPU)."""
 
 from __future__ import annotations
 
