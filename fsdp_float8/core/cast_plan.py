@@ -22,7 +22,13 @@ import torch
 
 from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
 from fsdp_float8.core.gemms import GEMM_OPERANDS, GEMMS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
-from fsdp_float8.core.scaling import Axiswise, Granularity, ScalingStrategy, Tensorwise
+from fsdp_float8.core.scaling import (
+    Axiswise,
+    DynamicScaling,
+    Granularity,
+    ScalingStrategy,
+    Tensorwise,
+)
 
 CASTS: tuple[tuple[Operand, Gemm], ...] = tuple(
     (op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops
@@ -86,6 +92,23 @@ class CastPlan:
     def shared(self, operand: Operand) -> bool:
         """The operand's primary cast serves its second GEMM too."""
         return self.shares_cast(operand, PRIMARY_GEMM[operand], SECOND_GEMM[operand])
+
+    def joint_output_cast(self) -> bool:
+        """The output GEMM's input and weight are both cast with the dynamic tensorwise
+        scale of their own amax, to one float8 dtype, with no reduction over a group: the
+        two casts can run as one (`formats.tensorwise.joint_cast`)."""
+        x = self.strategies[(Operand.INPUT, Gemm.OUTPUT)]
+        w = self.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
+        return (
+            isinstance(x, DynamicScaling)
+            and isinstance(w, DynamicScaling)
+            and isinstance(x.granularity, Tensorwise)
+            and isinstance(w.granularity, Tensorwise)
+            and x.group is None
+            and w.group is None
+            and self.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
+            == self.dtypes[(Operand.WEIGHT, Gemm.OUTPUT)]
+        )
 
 
 def _row_scaled(config: Float8LinearConfig, gemm: Gemm) -> bool:

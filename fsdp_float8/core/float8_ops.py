@@ -61,7 +61,7 @@ def _detach(func, args, kwargs):
 def _same_weight(t: Float8Tensor, new: Float8Tensor) -> Float8Tensor:
     """`new` is the same weight as `t` (FSDP2 makes its unsharded parameter so: as_strided,
     which may cut padding rows, then detach): it keeps `t`'s once-per-unshard operands."""
-    new._operands = t._operands
+    new._operands, new._inverse = t._operands, t._inverse
     return new
 
 

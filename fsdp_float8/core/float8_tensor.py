@@ -62,6 +62,10 @@ class Float8Tensor(torch.Tensor):
     # unshard (`fsdp_float8.formats.operands.GatheredOperands`); carried by the ops FSDP2
     # applies to it (detach, alias, as_strided), not flattened (compile builds its own)
     _operands: OperandCache | None = None
+    # a gathered tensorwise weight's `1 / _scale`, made with it once per all-gather (what
+    # the GEMMs multiply by); flattened with data and scale, so a compiled graph takes it
+    # as an input instead of computing it again
+    _inverse: torch.Tensor | None = None
 
     @staticmethod
     def __new__(
@@ -96,12 +100,15 @@ class Float8Tensor(torch.Tensor):
         )
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self._orig_dtype, self._emulate, self._block)
+        names = ["_data", "_scale"] if self._inverse is None else ["_data", "_scale", "_inverse"]
+        return names, (self._orig_dtype, self._emulate, self._block)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         orig_dtype, emulate, block = meta
-        return Float8Tensor(inner["_data"], inner["_scale"], orig_dtype, emulate, block)
+        new = Float8Tensor(inner["_data"], inner["_scale"], orig_dtype, emulate, block)
+        new._inverse = inner.get("_inverse")
+        return new
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemms import Gemm
+from fsdp_float8.core.gemms import Gemm, Operand
+from fsdp_float8.core.scaling import DynamicScaling, amax_to_scale
 from fsdp_float8.formats.operands import AS_IS, CACHED, GatheredOperands, Pair, column_major
 
 NEEDS_GLOBAL_AMAX = True
@@ -125,6 +126,7 @@ class TensorwiseGather:
         # scaling: one cached tensor for every layer)
         scales = self._scales()
         weight = Float8Tensor(data, scales[0], param_dtype, self.emulate)
+        weight._inverse = scales[1]
         return weight, attach_operands(weight, [data], scales)
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
@@ -136,3 +138,59 @@ class TensorwiseGather:
             read_here(self.scale)
             out._scale.copy_(self.scale)
         refilled(out)
+
+
+@dataclass(frozen=True)
+class JointCast:
+    """The output GEMM's input and weight cast together (`joint_cast`): `x` and `w` are
+    row-major views of one float8 buffer (the output GEMM's operands); `columns` holds the
+    same bytes column-major, (K, M + N), for backward (`joint_columns`): grad_weight's input
+    and grad_input's weight, with no re-cast and no transposed copy there."""
+
+    x: Pair
+    w: Pair
+    columns: torch.Tensor
+
+
+def joint_columns(columns: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The column-major input (M, K) and weight (N, K) in a `JointCast.columns` buffer."""
+    x_t, w_t = columns[: m * k], columns[m * k :]
+    return x_t.view(k, m).t(), w_t.view(k, -1).t()
+
+
+def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
+    """The output GEMM's two dynamic tensorwise casts, of input `x` (M, K) and weight `w`
+    (N, K), as one (`CastPlan.joint_output_cast` says when a plan allows it): the rows of
+    both stacked (they share K), one row-amax reduction, both scales from it, one cast pass
+    writing the stacked rows in both layouts. The same bytes and scales as separate casts
+    (a max is exact; each row is multiplied by its own tensor's scale, with no clamp, as
+    `cast_to_float8_data` with `saturate=False`). Compiled, that is three kernels where
+    separate casts take six, and backward re-casts no weight.
+    Memory: backward keeps the column-major buffer, (M + N) x K bytes, where separate casts
+    keep the input's M x K (and re-cast the weight). Needs M and N multiples of 16 (the views' offsets and leading
+    dims stay 16-byte aligned, as the float8 GEMMs need)."""
+    m, k = x.shape
+    n = w.shape[0]
+    x_strategy = plan.strategies[(Operand.INPUT, Gemm.OUTPUT)]
+    w_strategy = plan.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
+    assert isinstance(x_strategy, DynamicScaling) and isinstance(w_strategy, DynamicScaling)
+    dtype = plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
+    both = torch.cat([x.detach(), w.detach()])
+    rows = both.abs().amax(dim=1)  # in the operands' dtype: exact
+    is_x = torch.arange(m + n, device=both.device) < m
+    zero = rows.new_zeros(())
+    x_scale = amax_to_scale(
+        torch.where(is_x, rows, zero).amax(), dtype, power_of_2=x_strategy.power_of_2
+    )
+    w_scale = amax_to_scale(
+        torch.where(is_x, zero, rows).amax(), dtype, power_of_2=w_strategy.power_of_2
+    )
+    scaled = both * torch.where(is_x, x_scale, w_scale).unsqueeze(1)
+    # as_strided: compiled, the buffer is written once and its readers read it in place (a
+    # slice of a value not yet written would be computed again for each reader)
+    rows = scaled.to(dtype).as_strided((m + n, k), (k, 1), 0)
+    x_rows, w_rows = rows[:m], rows[m:]
+    # the same bytes column-major, the input's (K, M) then the weight's (K, N), flat: the
+    # views backward takes are dense (one copy of float8 bytes)
+    columns = torch.cat([x_rows.t().reshape(-1), w_rows.t().reshape(-1)])
+    return JointCast(x=(x_rows, x_scale), w=(w_rows, w_scale), columns=columns)

@@ -12,6 +12,12 @@ Memory: backward keeps the weight parameter itself (FSDP2 frees and re-gathers i
 backward as it does for bf16) and the input: in float8 where grad_weight takes the
 forward's input cast as it is (tensorwise: the same scale and bytes), else in high
 precision, or its grad_weight cast with `save_input_in_float8=True`.
+
+Compiled, a dynamic tensorwise layer with a plain weight (no float8 all-gather) casts its
+input and weight as one (`formats.tensorwise.joint_cast`: one amax reduction and one cast
+pass for both, three GPU kernels instead of six); backward then takes the weight's float8
+column-major copy from the forward instead of casting the weight again, so it keeps
+N x K bytes more (the weight in float8) until the layer's backward.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from fsdp_float8.core.gemms import (
     refuse_double_backward,
 )
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
+from fsdp_float8.formats.tensorwise import JointCast, joint_cast, joint_columns
 from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
@@ -76,12 +83,11 @@ def _inverse_of(scale: torch.Tensor | None) -> torch.Tensor | None:
 
 def _weight_inverse(weight, scale: torch.Tensor | None) -> torch.Tensor | None:
     """The inverse of a weight operand's scale: a gathered tensorwise weight brought its own
-    with the all-gather (`formats.tensorwise`), so no op per GEMM; else `_inverse_of`.
-    The gathered record is read in eager only (it is not part of a traced graph)."""
-    record = weight._operands if isinstance(weight, Float8Tensor) else None
-    if record is not None and record.inverse is not None and not torch.compiler.is_compiling():
-        if scale is weight._scale:  # the gathered scale itself (its layouts share it)
-            return record.inverse
+    with the all-gather (`Float8Tensor._inverse`, a graph input when compiled), so no op per
+    GEMM; else `_inverse_of`."""
+    inverse = weight._inverse if isinstance(weight, Float8Tensor) else None
+    if inverse is not None and scale is weight._scale:  # the gathered scale itself
+        return inverse
     return _inverse_of(scale)
 
 
@@ -117,6 +123,22 @@ def _gemm(
     )
 
 
+def _joint(x2: torch.Tensor, weight: torch.Tensor, plan: CastPlan) -> bool:
+    """Whether the output GEMM's input and weight casts run as one (`joint_cast`): in a
+    compiled graph (eager, the stacked copy would cost a pass of its own), for a plain
+    high-precision weight (not a gathered one) of the input's dtype."""
+    return (
+        torch.compiler.is_compiling()
+        and plan.joint_output_cast()
+        and not isinstance(weight, (Float8Tensor, Float8WeightWrapper))
+        and x2.dtype == weight.dtype
+        and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x2.shape[0] > 0
+        and x2.shape[0] % 16 == 0
+        and weight.shape[0] % 16 == 0
+    )
+
+
 def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
     return weight_for(weight, gemm, plan, cast_operand, states)
 
@@ -127,6 +149,7 @@ class _Float8LinearFn(torch.autograd.Function):
         x_fp8: Pair
         saved_x: Pair
         record, x_inv = None, None
+        joint: JointCast | None = None
         if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
             x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
         else:
@@ -134,18 +157,21 @@ class _Float8LinearFn(torch.autograd.Function):
             record = shared_casts(x, plan)  # what the layers that read x share
             if record is not None and record.forward is not None:
                 x_fp8, x_inv = record.forward, record.inverse
+            elif record is None and _joint(x2, weight, plan):
+                joint = joint_cast(x2, weight, plan)
+                x_fp8 = joint.x
             else:
                 x_fp8 = cast_operand(x2, Operand.INPUT, Gemm.OUTPUT, plan, states)
             saved_x = (x2, None)
             if plan.shared(Operand.INPUT):
                 # grad_weight takes the same cast (same scale, same bytes): keep the float8
                 # input, not the hp one (half the memory; backward re-lays it out, one copy)
-                saved_x = x_fp8
+                saved_x = x_fp8 if joint is None else (joint.columns, x_fp8[1])
                 if record is not None:
                     record.forward = x_fp8
             elif save_input_in_float8:  # blocks: tiles along the token dim, cast from hp
                 saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
-        w_fp8 = _weight_for(weight, Gemm.OUTPUT, plan, states)
+        w_fp8 = joint.w if joint is not None else _weight_for(weight, Gemm.OUTPUT, plan, states)
         if x_inv is None:
             x_inv = _inverse_of(x_fp8[1])
         w_inv = _weight_inverse(weight, w_fp8[1])
@@ -157,6 +183,8 @@ class _Float8LinearFn(torch.autograd.Function):
         if record is not None and record.forward is not None:
             record.inverse = x_inv
         ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
+        # a joint cast's column buffer (saved as x's data) holds both backward operands
+        ctx.joint = joint is not None and plan.shared(Operand.INPUT)
         ctx.plan, ctx.states, ctx.record = plan, states, record
         # _unsafe_view: the same data, but not an autograd view (FSDP2 warns on view outputs)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
@@ -164,12 +192,18 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
+        w_col = None
+        if ctx.joint:  # x_data is `JointCast.columns`: both operands column-major
+            tokens = grad_out.numel() // grad_out.shape[-1]
+            x_data, w_col = joint_columns(x_data, tokens, weight.shape[1])
         refuse_double_backward("Float8Linear", weight.shape)
         plan, states = ctx.plan, ctx.states
         record, ctx.record = ctx.record, None  # held until the last reader's backward
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
-        if isinstance(weight, Float8Tensor) or not plan.shared(Operand.WEIGHT):
+        if w_col is not None and plan.shared(Operand.WEIGHT):
+            w_gi = (w_col, w_scale)
+        elif isinstance(weight, Float8Tensor) or not plan.shared(Operand.WEIGHT):
             w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
         else:
             w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
@@ -186,7 +220,7 @@ class _Float8LinearFn(torch.autograd.Function):
         # grad_weight's input: made once for the layers that read it (`input_casts`)
         if x_saved_scale is not None:  # saved in float8 (shared, or save_input_in_float8)
             x_gw = shared_grad_weight(
-                record, lambda: (x_data.t().contiguous().t(), x_saved_scale)
+                record, lambda: (_column_major(x_data), x_saved_scale)
             )  # column-major, as the GEMM lays it out
         elif plan.shared(Operand.INPUT):
             x_gw = _recast(x_data, x_scale, Operand.INPUT, plan)
@@ -202,6 +236,14 @@ class _Float8LinearFn(torch.autograd.Function):
         # 2.11's Dynamo on a dynamic-shape recompile)
         grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
         return grad_x, grad_w, None, None, None
+
+
+def _column_major(data: torch.Tensor) -> torch.Tensor:
+    """`data` (2-D) laid out column-major: as it is when it is already (a joint cast's
+    column buffer), else a transposed copy."""
+    if data.stride(0) == 1 and data.shape[1] > 1:
+        return data
+    return data.t().contiguous().t()
 
 
 def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastPlan) -> Pair:

@@ -1,7 +1,6 @@
 """`python -m f8train.count_kernels --gpu`'s plumbing on the small SwiGLU block (dim 256,
 hidden 768, 2,048 tokens) for H100, and the launch counts this library achieves there,
-pinned (torchao 0.18's, from the same command, are in docs/results.md: tensorwise 15 + 11,
-rowwise 7 + 26)."""
+pinned beside torchao 0.18's from the same command (docs/results.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,9 @@ from f8train import count_kernels
 pytestmark = pytest.mark.gpucodegen
 
 # Triton launches (forward, backward) of one compiled block on H100
-PINNED = {"bf16": (1, 1), "tensorwise": (15, 11), "rowwise": (7, 18)}
+PINNED = {"bf16": (1, 1), "tensorwise": (10, 8), "rowwise": (7, 18)}
+# torchao 0.18's on the same block and command (docs/results.md); the target: at most 0.8x
+TORCHAO = {"tensorwise": (15, 11), "rowwise": (7, 26)}
 
 
 def test_count_kernels_gpu_plumbing(tmp_path, capsys):
@@ -26,15 +27,17 @@ def test_count_kernels_gpu_plumbing(tmp_path, capsys):
     bf16, ours = blocks["small bf16"], blocks["small fsdp_float8 tensorwise"]
     assert (bf16["triton_fwd"], bf16["triton_bwd"]) == PINNED["bf16"]
     assert (ours["triton_fwd"], ours["triton_bwd"]) == PINNED["tensorwise"]
+    assert sum(PINNED["tensorwise"]) <= 0.8 * sum(TORCHAO["tensorwise"])
     assert ours["gemms"] == {"_scaled_mm": 9} and ours["gemm_flops"].keys() == {"fp8"}
     assert bf16["gemm_flops"]["bf16"] == ours["gemm_flops"]["fp8"] == 9 * 2 * 2048 * 256 * 768
     assert ours["nongemm_bytes"] > bf16["nongemm_bytes"] > 0
     assert 0 < bf16["roofline_s"] and 0 < ours["roofline_s"]
     table = capsys.readouterr().out
-    assert "| small fsdp_float8 tensorwise | 15 + 11" in table
+    assert "| small fsdp_float8 tensorwise | 10 + 8" in table
 
 
 def test_rowwise_launches_pinned():
     counts = count_kernels.gpu_block_counts("h100", "ours", "rowwise", "small")
     assert (counts["triton_fwd"], counts["triton_bwd"]) == PINNED["rowwise"]
+    assert sum(PINNED["rowwise"]) <= 0.8 * sum(TORCHAO["rowwise"])
     assert counts["gemms"] == {"_scaled_mm": 9}
