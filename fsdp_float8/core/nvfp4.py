@@ -57,6 +57,8 @@ zero-padded to a multiple of 32, b column-major, per operand the scales [e4m3 fa
 float32 tensor factor] with recipe [BlockWise1x16, TensorWise]. On CPU (no FP4 GEMM there)
 and with `emulate=True`, `emulated_mm`: both dequantized, one float32 matmul. A CUDA device
 below SM100 is refused (`check_nvfp4_gemm_device`) naming the remedy, emulate=True.
+A weight's right operands are built once (`gemm_operand_parts`, `GemmOperand`: the output
+GEMM's and grad_input's, its tiles transposed) and taken as they are (`prepared_mm`).
 
 All-gather payload: packed nibbles plus one e4m3 byte per block, 0.5 + 1/256 bytes per
 element for 16x16 tiles and 0.5 + 1/16 for 1x16, plus one float32 per tensor

@@ -14,7 +14,9 @@ whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4.nvfp4_mm`) are cu
 GEMMs on CUDA SM100+ (Blackwell); on CPU, which has no FP4 GEMM, and with `emulate=True`
 they are emulated (each operand dequantized to float32, one float32 matmul). A CUDA device
 below SM100 is refused without `emulate=True`, when the layer is built on it or at its
-first forward there.
+first forward there. The weight is quantized, and on CUDA its two GEMM operands (the output
+GEMM's, grad_input's transposed) are built, once per unshard under FSDP2 and once per
+version of an unsharded weight's values; each GEMM takes them as they are.
 
 Randomness is reproducible and needs no generator state: the Hadamard signs of a layer
 come from (seed, the layer's name); the rounding draws of a GEMM are a hash of (seed, the

@@ -17,7 +17,13 @@ rank) travels in the metadata. Shards must be whole 16-row tiles (the block reci
 
 The unsharded weight is an `NVFP4Weight`: a tensor subclass with the weight's shape and
 dtype that holds the quantized record. `NVFP4Linear` reads the record; any other op on it
-raises naming the op (nothing dequantizes silently).
+raises naming the op (nothing dequantizes silently). On CUDA it also holds the record's GEMM
+operands (`gemm_operand`: padded codes and swizzled factors for the output GEMM, the
+transposed tiles for grad_input), each built at its first use after an unshard into buffers
+FSDP2 frees at reshard, as the float8 formats' `GatheredOperands`.
+
+Pack reuse: while the float8 step's amax stamp is fresh, the packed shard is kept
+(`WeightState.remember_pack`), so backward's re-gather sends the forward's bytes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 with e2m1 operands and [BlockWise1x16, TensorWise] scales, bf16 and fp32 parameters (the
 latter under autocast), token counts and contraction dims that are not multiples of 32; on
 H200 (SM90) the refusal with its remedy, and `emulate=True` running the emulated GEMMs;
-FSDP2 on 8 fake ranks gathering the weights as NVFP4 into the FP4 GEMMs.
+FSDP2 on 8 fake ranks gathering the weights as NVFP4 into the FP4 GEMMs. The weight's
+operands are built once per weight version (unsharded) and per unshard (FSDP2 on 2 fake
+ranks): no GEMM re-lays or transposes the weight, and backward's re-gather quantizes nothing.
 A broken kernel rule fails naming it (`tests.fakecuda.fake_cuda`)."""
 
 from __future__ import annotations

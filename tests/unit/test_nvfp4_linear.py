@@ -11,6 +11,8 @@ mean - 6 * std rounded down to 0.1 dB, the measured mean / std in the comment.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -264,3 +266,36 @@ def test_inductor_gives_the_eager_outputs_and_gradients_bit_for_bit(config) -> N
     eager = _grads(layer, x, go)
     compiled = _grads(torch.compile(layer, fullgraph=True, backend="inductor"), x, go)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+def test_an_unsharded_weight_is_quantized_once_per_version() -> None:
+    # forward and backward share one quantization of the weight; a layer called twice in a
+    # step too; an in-place write (an optimizer step) makes a new version, quantized anew
+    layer = NVFP4Linear.from_float(nn.Linear(64, 32, bias=False), NVFP4Config())
+    real, count = nvfp4.quantize, [0]
+
+    def quantize(x, amax, block=nvfp4.ACTIVATION_BLOCK, **kwargs):
+        count[0] += block == nvfp4.WEIGHT_BLOCK
+        return real(x, amax, block, **kwargs)
+
+    x = torch.randn(3, 8, 64)
+    with mock.patch.object(nvfp4, "quantize", quantize):
+        layer(x[0]).sum().backward()
+        assert count[0] == 1
+        (layer(x[1]) + layer(x[2])).sum().backward()
+        assert count[0] == 2
+        with torch.no_grad():
+            layer.weight.mul_(0.5)
+        layer(x[1]).sum().backward()
+        assert count[0] == 3
+        # a write between two forwards: the second sees the new values (scaled by 2, the
+        # codes and tile factors stay, the output doubles exactly)
+        first = layer(x[0])  # its graph holds the quantized weight
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        second = layer(x[0])
+        assert torch.equal(second, 2 * first) and count[0] == 5
+    # the same weight after the write: the outputs of a fresh quantization
+    fresh = NVFP4Linear.from_float(nn.Linear(64, 32, bias=False), NVFP4Config())
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x[2]), fresh(x[2]))
