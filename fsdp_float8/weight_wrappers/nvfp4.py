@@ -185,7 +185,9 @@ def gemm_operand(record: nvfp4.NVFP4, operands: GatheredOperands, gemm: Gemm) ->
     transpose = gemm is Gemm.GRAD_INPUT
 
     def build(out):
-        return nvfp4.gemm_operand_parts(record, transpose=transpose, out=out)
+        # the buffers outlive this forward (training reuses them): never inference tensors
+        with torch.inference_mode(False):
+            return nvfp4.gemm_operand_parts(record, transpose=transpose, out=out)
 
     parts = operands.operand(gemm, build)
     assert parts[1] is not None

@@ -250,3 +250,29 @@ def test_fsdp2_weight_operands_built_once_per_unshard():
             assert counts.per_gemm == NO_RELAYOUT * len(layers), step
             assert counts.builds == {"output": len(layers), "transposed": len(layers)}, step
             assert counts.quantizations == quantized, step
+
+
+def test_fsdp2_inference_forward_then_training():
+    # an inference-mode forward builds the output GEMM's operand; the training step after it
+    # rebuilds it into the same buffers (normal tensors, not inference ones)
+    config = NVFP4Config(enable_fsdp_float8_all_gather=True)
+    with fake_world((2,)) as mesh, fake_cuda(B200) as rules:
+        with torch.device("cuda"):
+            model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False))
+        convert_to_float8_training(model, config=config)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(8, 64, device="cuda")
+        with torch.inference_mode():
+            model(x)
+        params = [
+            p for layer in model for p in layer._get_fsdp_state()._fsdp_param_group.fsdp_params
+        ]
+        inner = [t for p in params for t in p._unsharded_inner_tensors]
+        # per weight: the gathered codes and tiles (FSDP2's buffers), the output GEMM's
+        # swizzled factors (its codes are the gathered ones: K = 64 needs no padding)
+        assert len(inner) == 3 * len(params)
+        assert not any(t.is_inference() for t in inner[2::3])
+        backward(model(x).float().square().sum())
+    assert rules.calls["_scaled_mm_v2"] == 2 + 3 * 2
