@@ -1,7 +1,9 @@
 """The NVFP4 GEMM's dispatch and its CUDA operands, on CPU: what `nvfp4_mm` hands
 `F.scaled_mm` (padded codes, swizzled 1x16 factors, the tensor factor) holds exactly the
-quantized tensor; CPU always emulates; a CUDA device below SM100 is refused with the remedy
-unless `emulate=True`. (The fake-CUDA lane checks the call against torch's meta kernel.)"""
+quantized tensor; a weight's operands built once (`gemm_operand_parts`) are those bytes,
+its grad_input operand from its transposed tiles; CPU always emulates; a CUDA device below
+SM100 is refused with the remedy unless `emulate=True`. (The fake-CUDA lane checks the call
+against torch's meta kernel.)"""
 
 from __future__ import annotations
 

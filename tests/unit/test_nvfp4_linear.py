@@ -1,7 +1,7 @@
 """NVFP4Linear (fsdp_float8.nn.nvfp4_linear): its three GEMMs against a high-precision
 nn.Linear, each GEMM against its definition built here from the numerics of
 `fsdp_float8.core.nvfp4`, stochastic rounding's expectation, reproducibility, conversion,
-state dicts, and the refusals.
+state dicts, the refusals, and one quantization of the weight per version of its values.
 
 SQNR floors (output, grad_input, grad_weight against float32 nn.Linear): measured on CPU
 (torch 2.13) over seeds 0..31, x (4, 64, 256) randn, weight nn.Linear(256, 128)'s init,
