@@ -57,6 +57,8 @@ zero-padded to a multiple of 32, b column-major, per operand the scales [e4m3 fa
 float32 tensor factor] with recipe [BlockWise1x16, TensorWise]. On CPU (no FP4 GEMM there)
 and with `emulate=True`, `emulated_mm`: both dequantized, one float32 matmul. A CUDA device
 below SM100 is refused (`check_nvfp4_gemm_device`) naming the remedy, emulate=True.
+A weight's right operands are built once (`gemm_operand_parts`, `GemmOperand`: the output
+GEMM's and grad_input's, its tiles transposed) and taken as they are (`prepared_mm`).
 
 All-gather payload: packed nibbles plus one e4m3 byte per block, 0.5 + 1/256 bytes per
 element for 16x16 tiles and 0.5 + 1/16 for 1x16, plus one float32 per tensor
@@ -429,6 +431,59 @@ def _cuda_operand(q: NVFP4) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return data, [factors, q.tensor_inv_scale.reshape(()).to(data.device, torch.float32)]
 
 
+@dataclass(frozen=True, eq=False)
+class GemmOperand:
+    """An NVFP4 (R, K) as the right operand of the CUDA FP4 GEMM takes it (`_cuda_operand`'s
+    layout), built once and taken as it is by each GEMM (`prepared_mm`): `data` the codes as
+    float4_e2m1fn_x2 with K zero-padded to a multiple of 32, `block_factors` the e4m3 factors
+    per 1x16 block swizzled SWIZZLE_32_4_4, `tensor_factor` the 0-d float32 factor."""
+
+    data: torch.Tensor
+    block_factors: torch.Tensor
+    tensor_factor: torch.Tensor
+    shape: torch.Size  # (R, K), as quantized
+
+
+def gemm_operand_parts(
+    q: NVFP4, *, transpose: bool = False, out: tuple | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """(codes, swizzled factors) of `q` (R, K), or with `transpose` of its transpose (K, R):
+    a weight's operand of the grad_input GEMM, its 16x16 tiles transposed exactly
+    (`transposed`). Written into `out`'s buffers when given (a previous build's), else into
+    new ones: ((codes, factors), buffers newly allocated). Codes that need neither padding
+    nor transposition are `q.packed` itself, viewed as float4_e2m1fn_x2."""
+    src = transposed(q) if transpose else q
+    data, (factors, _) = _cuda_operand(src)
+    old_codes, old_factors = (None, None) if out is None else out
+    new: list[torch.Tensor] = []
+    if not transpose and q.packed.shape[1] % 16 == 0 and q.packed.is_contiguous():
+        codes = q.packed  # the same bytes as they are: no copy
+    else:
+        codes = _own(
+            data.view(torch.uint8), None if old_codes is None else old_codes.view(torch.uint8)
+        )
+        new += [codes] if old_codes is None else []
+    factors = _own(factors, old_factors)
+    new += [factors] if old_factors is None else []
+    return (codes.view(FLOAT4), factors), tuple(new)
+
+
+def _own(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`t` in a buffer of its own spanning its whole storage (`t` itself when it is one),
+    or copied into `out`."""
+    if out is not None:
+        return out.view(t.dtype).copy_(t)
+    whole = t.storage_offset() == 0 and t.numel() * t.itemsize == t.untyped_storage().nbytes()
+    return t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def gemm_operand(q: NVFP4, parts: tuple[torch.Tensor, torch.Tensor], *, transpose: bool = False):
+    """The `GemmOperand` of `q` (or of its transpose) from its `gemm_operand_parts`."""
+    rows, k = q.shape
+    shape = torch.Size((k, rows) if transpose else (rows, k))
+    return GemmOperand(parts[0], parts[1], q.tensor_inv_scale.reshape(()), shape)
+
+
 def nvfp4_mm(
     a: NVFP4, b: NVFP4, out_dtype: torch.dtype = torch.float32, *, emulate: bool = False
 ) -> torch.Tensor:
@@ -440,7 +495,30 @@ def nvfp4_mm(
     if emulate or device.type != "cuda":
         return emulated_mm(a, b, out_dtype)
     check_nvfp4_gemm_device(device, emulate=False)
-    (data_a, scales_a), (data_b, scales_b) = _cuda_operand(a), _cuda_operand(b)
+    return _cuda_mm(_cuda_operand(a), _cuda_operand(b), out_dtype)
+
+
+def prepared_mm(a: NVFP4, b: GemmOperand, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`nvfp4_mm(a, b)` on CUDA SM100+ with b's operand built beforehand (`GemmOperand`):
+    the same GEMM, b taken as it is (no padding, expansion or swizzle of b here)."""
+    if len(a.shape) != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"an NVFP4 GEMM takes a (M, K) and b (N, K) with the same K, got {tuple(a.shape)} "
+            f"and {tuple(b.shape)}; build b's operand from the right quantized tensor"
+        )
+    device = a.packed.device
+    if device.type != "cuda":
+        raise ValueError(f"prepared_mm runs the CUDA FP4 GEMM; a is on {device}: use nvfp4_mm")
+    check_nvfp4_gemm_device(device, emulate=False)
+    return _cuda_mm(_cuda_operand(a), (b.data, [b.block_factors, b.tensor_factor]), out_dtype)
+
+
+def _cuda_mm(
+    operand_a: tuple[torch.Tensor, list[torch.Tensor]],
+    operand_b: tuple[torch.Tensor, list[torch.Tensor]],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    (data_a, scales_a), (data_b, scales_b) = operand_a, operand_b
     st, sw = F.ScalingType, F.SwizzleType
     recipe, swizzle = [st.BlockWise1x16, st.TensorWise], [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
     native = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32

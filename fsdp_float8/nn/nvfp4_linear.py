@@ -14,7 +14,9 @@ whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4.nvfp4_mm`) are cu
 GEMMs on CUDA SM100+ (Blackwell); on CPU, which has no FP4 GEMM, and with `emulate=True`
 they are emulated (each operand dequantized to float32, one float32 matmul). A CUDA device
 below SM100 is refused without `emulate=True`, when the layer is built on it or at its
-first forward there.
+first forward there. The weight is quantized, and on CUDA its two GEMM operands (the output
+GEMM's, grad_input's transposed) are built, once per unshard under FSDP2 and once per
+version of an unsharded weight's values; each GEMM takes them as they are.
 
 Randomness is reproducible and needs no generator state: the Hadamard signs of a layer
 come from (seed, the layer's name); the rounding draws of a GEMM are a hash of (seed, the
@@ -30,6 +32,7 @@ names each layer; keep sensitive layers in high precision with `module_filter_fn
 from __future__ import annotations
 
 import re
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import ClassVar
@@ -38,14 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
-from fsdp_float8.core.gemms import refuse_double_backward
+from fsdp_float8.core.gemms import Gemm, refuse_double_backward
 from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.formats.operands import GatheredOperands
 from fsdp_float8.nn.linear import _plain_weight_in_state_dict
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
-from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight
+from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight, gemm_operand
 from fsdp_float8.weight_wrappers.wrap import note_replaced
 
 
@@ -110,12 +115,73 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return tensor_amax(t).reshape(())
 
 
-def _weight_record(weight: torch.Tensor) -> nvfp4.NVFP4:
-    """The weight in 16x16 tiles: as FSDP2 gathered it, or quantized here (unsharded)."""
-    if isinstance(weight, NVFP4Weight):
-        return weight.record
+@dataclass(eq=False)
+class _QuantizedWeight:
+    """A weight in 16x16 tiles and its CUDA GEMM operands (`weight_wrappers.nvfp4.
+    gemm_operand`), built once: per unshard (FSDP2's gathered `NVFP4Weight`), or per version
+    of an unsharded weight's values. `operands` None: each GEMM builds its operand itself."""
+
+    record: nvfp4.NVFP4
+    operands: GatheredOperands | None
+    key: tuple = ()
+
+
+# an unsharded weight -> its _QuantizedWeight for its current values, from a forward to the
+# first backward that uses it (a layer called twice in a step quantizes its weight once);
+# the forwards' autograd graphs hold it, so no memory outlives the backwards
+_UNSHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _values_key(weight: torch.Tensor) -> tuple | None:
+    """What identifies the values of an unsharded weight: its storage and version counters
+    (a wrapper's writes move its state's generation, not its inner tensor's counter; a
+    write through `weight.data` moves neither, as autograd does not see it either).
+    None where nothing may be kept: under torch.compile (the graph quantizes), inference
+    tensors (no version counter), inference mode (the record would be an inference tensor)."""
     hp = plain_weight(weight)
-    return nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK)
+    if torch.compiler.is_compiling() or hp.is_inference() or torch.is_inference_mode_enabled():
+        return None
+    generation = weight._state.generation if isinstance(weight, Float8WeightWrapper) else -1
+    storage = hp.untyped_storage()._cdata
+    return (storage, hp.storage_offset(), tuple(hp.shape), hp._version, generation)
+
+
+def _quantized_weight(weight: torch.Tensor) -> _QuantizedWeight:
+    """The weight in 16x16 tiles: as FSDP2 gathered it, or quantized here (unsharded) once
+    per version of its values."""
+    if isinstance(weight, NVFP4Weight):
+        # under torch.compile the operands are not part of the traced tensor: each GEMM
+        # builds its own, as the graph traces it
+        compiling = torch.compiler.is_compiling()
+        return _QuantizedWeight(weight.record, None if compiling else weight.operands)
+    hp = plain_weight(weight)
+    key = _values_key(weight)
+    ref = None if key is None else _UNSHARDED.get(weight)
+    found = None if ref is None else ref()
+    if found is not None and found.key == key:
+        return found
+    record = nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK)
+    if key is None:
+        return _QuantizedWeight(record, None)
+    found = _QuantizedWeight(record, GatheredOperands([]), key)
+    _UNSHARDED[weight] = weakref.ref(found)
+    return found
+
+
+def _release(weight: torch.Tensor, w: _QuantizedWeight) -> None:
+    """The first backward that used `w` ends its reuse by later forwards."""
+    ref = _UNSHARDED.get(weight)
+    if ref is not None and ref() is w:
+        del _UNSHARDED[weight]
+
+
+def _weight_operand(w: _QuantizedWeight, gemm: Gemm, emulate: bool) -> nvfp4.GemmOperand | None:
+    """The weight's operand of the CUDA FP4 `gemm`, built once (`_QuantizedWeight`); None
+    where the GEMM takes the record itself: the emulated GEMM (CPU, `emulate`), which
+    dequantizes it, and a weight without an operands record (under torch.compile)."""
+    if w.operands is None or emulate or w.record.packed.device.type != "cuda":
+        return None
+    return gemm_operand(w.record, w.operands, gemm)
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -131,8 +197,16 @@ class _NVFP4LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK)
         emulate = layer.config.emulate
-        out = nvfp4.nvfp4_mm(qx, _weight_record(weight), x.dtype, emulate=emulate)
+        w = _quantized_weight(weight)
+        operand = _weight_operand(w, Gemm.OUTPUT, emulate)
+        if operand is None:
+            out = nvfp4.nvfp4_mm(qx, w.record, x.dtype, emulate=emulate)
+        else:
+            out = nvfp4.prepared_mm(qx, operand, x.dtype)
         ctx.save_for_backward(x2, weight)
+        # the tiles (and operands) backward reuses; an unsharded weight's values cannot
+        # change before then (autograd checks the saved weight's version)
+        ctx.quantized = w if w.key else None
         ctx.layer = layer  # no shape on ctx: a symbolic one breaks torch 2.11's Dynamo
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -147,8 +221,15 @@ class _NVFP4LinearFn(torch.autograd.Function):
         sr = cfg.stochastic_rounding
         gen = _draws(grad_out, layer.layer_seed, 0) if sr else None
         qgo = nvfp4.quantize(grad_out, _amax(grad_out), nvfp4.ACTIVATION_BLOCK, generator=gen)
-        qwt = nvfp4.transposed(_weight_record(weight))
-        grad_x = nvfp4.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
+        w = ctx.quantized or _quantized_weight(weight)
+        if ctx.quantized is not None:
+            _release(weight, ctx.quantized)
+        operand = _weight_operand(w, Gemm.GRAD_INPUT, cfg.emulate)
+        if operand is None:
+            qwt = nvfp4.transposed(w.record)
+            grad_x = nvfp4.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
+        else:
+            grad_x = nvfp4.prepared_mm(qgo, operand, x2.dtype)
         go_t, x_t = _pad_tokens(grad_out.t()), _pad_tokens(x2.t())
         if cfg.hadamard_grad_weight:
             matrix = layer.hadamard(grad_out.device)

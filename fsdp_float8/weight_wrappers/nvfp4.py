@@ -17,7 +17,13 @@ rank) travels in the metadata. Shards must be whole 16-row tiles (the block reci
 
 The unsharded weight is an `NVFP4Weight`: a tensor subclass with the weight's shape and
 dtype that holds the quantized record. `NVFP4Linear` reads the record; any other op on it
-raises naming the op (nothing dequantizes silently).
+raises naming the op (nothing dequantizes silently). On CUDA it also holds the record's GEMM
+operands (`gemm_operand`: padded codes and swizzled factors for the output GEMM, the
+transposed tiles for grad_input), each built at its first use after an unshard into buffers
+FSDP2 frees at reshard, as the float8 formats' `GatheredOperands`.
+
+Pack reuse: while the float8 step's amax stamp is fresh, the packed shard is kept
+(`WeightState.remember_pack`), so backward's re-gather sends the forward's bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from fsdp_float8.core import nvfp4
 from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
 from fsdp_float8.core.blocks import Block, scale_shape
 from fsdp_float8.core.float8_tensor import normal_outputs
+from fsdp_float8.core.gemms import Gemm
 from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.formats.operands import GatheredOperands
 from fsdp_float8.weight_wrappers.block import check_block_shards
 from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
@@ -45,13 +53,19 @@ class NVFP4Weight(torch.Tensor):
     quantized (N, K) weight in 16x16 tiles; shape and dtype are the high-precision weight's."""
 
     record: nvfp4.NVFP4
+    # the CUDA GEMMs' operands of `record`, each built once per unshard (`gemm_operand`);
+    # carried by FSDP2's ops on the weight (detach, alias, as_strided), not flattened
+    operands: GatheredOperands | None
 
     @staticmethod
-    def __new__(cls, record: nvfp4.NVFP4, dtype: torch.dtype):
+    def __new__(
+        cls, record: nvfp4.NVFP4, dtype: torch.dtype, operands: GatheredOperands | None = None
+    ):
         self = torch.Tensor._make_wrapper_subclass(
             cls, record.shape, dtype=dtype, device=record.packed.device
         )
         self.record = record
+        self.operands = operands
         return self
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
@@ -83,11 +97,11 @@ class NVFP4Weight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in (aten.detach.default, aten.alias.default):
             with normal_outputs(args, kwargs):
-                return NVFP4Weight(args[0].record, args[0].dtype)
+                return NVFP4Weight(args[0].record, args[0].dtype, args[0].operands)
         # FSDP2 views the unsharded parameter as itself (its full size, from offset 0)
         if func is aten.as_strided.default and _whole(args[0], *args[1:]):
             with normal_outputs(args, kwargs):
-                return NVFP4Weight(args[0].record, args[0].dtype)
+                return NVFP4Weight(args[0].record, args[0].dtype, args[0].operands)
         raise NotImplementedError(
             f"{func} on an all-gathered NVFP4 weight: only NVFP4Linear's GEMMs read it "
             "(dequantize with fsdp_float8.core.nvfp4.dequantize(weight.record) if needed)"
@@ -145,11 +159,39 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
         sharded = getattr(module, self.param_name, None)
         amax = self.global_amax(shard_group(sharded, None, mesh))
+        # the float8 step's stamp (no collective ran, so every rank decides alike): the pack
+        # is reusable while the values and the stamp stand (backward's re-gather, the next
+        # micro-batch). An amax MAX-reduced here is a new tensor at each gather, so the
+        # shard is quantized again: telling an equal amax apart would read it on the host
+        key = (mesh, tuple(outer_size), amax, amax._version)
+        reusable = amax is self.fresh_stamped_scale()
+        if reusable and (packed := self._state.packed_for(key)) is not None:
+            return packed
         q = nvfp4.quantize(self._tensor, amax, TILE)
         tiles = q.block_inv_scale.view(torch.uint8)
         if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
-            return (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
-        return (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
+            packed = (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
+        else:
+            packed = (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
+        if reusable:
+            self._state.remember_pack(key, packed)
+        return packed
+
+
+def gemm_operand(record: nvfp4.NVFP4, operands: GatheredOperands, gemm: Gemm) -> nvfp4.GemmOperand:
+    """The weight `record` (N, K) as the right operand of the CUDA FP4 `gemm`: itself for the
+    output GEMM, its transpose (K, N) for grad_input; built at its first use after `record`
+    got its values (an unshard, a weight version) and kept in `operands` until the next."""
+    transpose = gemm is Gemm.GRAD_INPUT
+
+    def build(out):
+        # the buffers outlive this forward (training reuses them): never inference tensors
+        with torch.inference_mode(False):
+            return nvfp4.gemm_operand_parts(record, transpose=transpose, out=out)
+
+    parts = operands.operand(gemm, build)
+    assert parts[1] is not None
+    return nvfp4.gemm_operand(record, (parts[0], parts[1]), transpose=transpose)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -170,8 +212,9 @@ class NVFP4Gather:
         # the metadata's tiles are this shard's, remade at each gather: a copy of its own
         tiles = outputs[1] if local is None else local.clone()
         record = nvfp4.NVFP4(packed, tiles.view(nvfp4.E4M3), self.tensor_inv.clone(), TILE)
-        inner = (packed,) if local is not None else (packed, tiles)
-        return NVFP4Weight(record, param_dtype), inner
+        # the list FSDP2 keeps: the operands built from the record join it (`gemm_operand`)
+        inner = [packed] if local is not None else [packed, tiles]
+        return NVFP4Weight(record, param_dtype, GatheredOperands(inner)), inner
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
         packed = outputs[0]
@@ -180,6 +223,8 @@ class NVFP4Gather:
         out.tensor_inv.copy_(self.tensor_inv)
         if self.local_tiles is not None:
             out.tiles.view(torch.uint8).copy_(self.local_tiles)
+        if out.operands is not None:
+            out.operands.refilled()
 
 
 def payload_bytes(shape: torch.Size | tuple[int, ...], block: Block) -> int:

@@ -15,12 +15,18 @@
   quantized whole on each rank, gradients all-reduced over the replicas): the same losses.
 - `reshard_after_forward=False`, activation checkpointing, and the float8 step turned off
   (each weight then MAX-reduces its own amax at each all-gather): the same losses.
+- Weight quantizations per step: one of each weight's shard (backward's re-gather sends the
+  shard packed for forward while the weight and the float8 step's amax stamp stand), also
+  without the reshard after forward; with the float8 step off, each all-gather MAX-reduces
+  a new amax and quantizes again (two per weight).
 - Each layer compiled with inductor (bf16 parameters for the GEMMs; round to nearest
   without the Hadamard transform, and the default config): the losses of the same model in
   eager, bit for bit.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -31,6 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_float8 import NVFP4Config, convert_to_float8_training, float8_step
+from fsdp_float8.core import nvfp4
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
@@ -191,3 +198,37 @@ def test_nvfp4_all_gather_trains_as_the_replicated_reference(tmp_path):
         no_step = out["no_step"]
         assert no_step["losses"] == out["reference"], out
         assert no_step["scale_reduces"] == [6] * STEPS, no_step  # one per all-gather
+
+
+def _quantizations(rank: int, world: int) -> dict:
+    """Weight quantizations (16x16 tiles) per training step on this rank."""
+    mesh = cpu_mesh(world)
+    real = nvfp4.quantize
+    count = [0]
+
+    def quantize(x, amax, block=nvfp4.ACTIVATION_BLOCK, **kwargs):
+        count[0] += block == nvfp4.WEIGHT_BLOCK
+        return real(x, amax, block, **kwargs)
+
+    out = {}
+    cases = {"reshard": {}, "no_reshard": {"reshard": False}, "no_step": {"step": False}}
+    with mock.patch.object(nvfp4, "quantize", quantize):
+        for name, kw in cases.items():
+            model, opt = _sharded(mesh, **kw)
+            per_step = []
+            for step in range(STEPS):
+                count[0] = 0
+                _loss(model, _batch(step, rank)).backward()
+                opt.step()
+                opt.zero_grad()
+                per_step.append(count[0])
+            out[name] = per_step
+    return out
+
+
+def test_each_weight_shard_is_quantized_once_per_step(tmp_path):
+    for out in run_distributed(_quantizations, 2, tmp_path, timeout_s=300):
+        weights = 3
+        assert out["reshard"] == [weights] * STEPS, out
+        assert out["no_reshard"] == [weights] * STEPS, out
+        assert out["no_step"] == [2 * weights] * STEPS, out

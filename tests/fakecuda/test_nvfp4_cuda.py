@@ -2,7 +2,9 @@
 with e2m1 operands and [BlockWise1x16, TensorWise] scales, bf16 and fp32 parameters (the
 latter under autocast), token counts and contraction dims that are not multiples of 32; on
 H200 (SM90) the refusal with its remedy, and `emulate=True` running the emulated GEMMs;
-FSDP2 on 8 fake ranks gathering the weights as NVFP4 into the FP4 GEMMs.
+FSDP2 on 8 fake ranks gathering the weights as NVFP4 into the FP4 GEMMs. The weight's
+operands are built once per weight version (unsharded) and per unshard (FSDP2 on 2 fake
+ranks): no GEMM re-lays or transposes the weight, and backward's re-gather quantizes nothing.
 A broken kernel rule fails naming it (`tests.fakecuda.fake_cuda`)."""
 
 from __future__ import annotations
@@ -121,3 +123,156 @@ def test_fsdp2_fp4_all_gather_on_sm100():
 
 def _blocks_only(module: nn.Module, fqn: str) -> bool:
     return fqn.startswith("blocks.")
+
+
+class _WeightLayouts:
+    """Counts, per FP4 GEMM, the weight's re-layouts made for it: the CUDA operand of a
+    16x16-tiled record (padding, tile factors expanded and swizzled) and the transposes of
+    the weight, outside the operand builds (`nvfp4.gemm_operand_parts`, counted apart), and
+    the weight's quantizations (16x16 tiles)."""
+
+    def __init__(self):
+        self.per_gemm: list[tuple[int, int]] = []
+        self.builds = {"output": 0, "transposed": 0}
+        self.quantizations = 0
+        self._layouts = self._transposes = self._building = 0
+
+    def __enter__(self):
+        real_operand, real_transposed = nvfp4._cuda_operand, nvfp4.transposed
+        real_parts, real_mm, real_quantize = (
+            nvfp4.gemm_operand_parts,
+            nvfp4.scaled_mm_v2,
+            nvfp4.quantize,
+        )
+
+        def operand(q):
+            self._layouts += q.block == nvfp4.WEIGHT_BLOCK and not self._building
+            return real_operand(q)
+
+        def transposed(q):
+            self._transposes += not self._building
+            return real_transposed(q)
+
+        def parts(q, *, transpose=False, out=None):
+            self.builds["transposed" if transpose else "output"] += 1
+            self._building += 1
+            try:
+                return real_parts(q, transpose=transpose, out=out)
+            finally:
+                self._building -= 1
+
+        def mm(*args, **kwargs):
+            self.per_gemm.append((self._layouts, self._transposes))
+            self._layouts = self._transposes = 0
+            return real_mm(*args, **kwargs)
+
+        def quantize(x, amax, block=nvfp4.ACTIVATION_BLOCK, **kwargs):
+            self.quantizations += block == nvfp4.WEIGHT_BLOCK
+            return real_quantize(x, amax, block, **kwargs)
+
+        self._patches = [
+            mock.patch.object(nvfp4, name, fn)
+            for name, fn in [
+                ("_cuda_operand", operand),
+                ("transposed", transposed),
+                ("gemm_operand_parts", parts),
+                ("scaled_mm_v2", mm),
+                ("quantize", quantize),
+            ]
+        ]
+        for patch in self._patches:
+            patch.start()
+        return self
+
+    def __exit__(self, *exc):
+        for patch in reversed(self._patches):
+            patch.stop()
+
+    def reset(self) -> None:
+        self.per_gemm.clear()
+        self.builds = {"output": 0, "transposed": 0}
+        self.quantizations = 0
+
+
+# per GEMM (output, grad_input, grad_weight): (weight re-layouts, weight transposes)
+NO_RELAYOUT = [(0, 0)] * 3
+
+
+@pytest.mark.parametrize("all_gather", [False, True], ids=["plain", "wrapped_weight"])
+def test_weight_operands_built_once_per_weight_version(all_gather):
+    # an unsharded layer: its weight quantized and each CUDA operand built once per version
+    # of its values; every GEMM takes them as they are (48x80: both dims pad to 32)
+    config = NVFP4Config(enable_fsdp_float8_all_gather=all_gather)
+    with fake_cuda(B200) as rules, _WeightLayouts() as counts:
+        layer = _layer((48, 80), "bf16", config)
+        _run(layer, (7,), "bf16")
+        assert counts.per_gemm == NO_RELAYOUT
+        assert counts.builds == {"output": 1, "transposed": 1} and counts.quantizations == 1
+        # the layer called twice in one step: the same weight version, nothing rebuilt
+        counts.reset()
+        x = torch.randn(2, 7, 48, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        backward((layer(x[0]) + layer(x[1])).float().sum())
+        assert counts.per_gemm == NO_RELAYOUT * 2
+        assert counts.builds == {"output": 1, "transposed": 1} and counts.quantizations == 1
+        # an optimizer-like write: a new version, quantized and built again
+        counts.reset()
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+        _run(layer, (7,), "bf16")
+        assert counts.per_gemm == NO_RELAYOUT
+        assert counts.builds == {"output": 1, "transposed": 1} and counts.quantizations == 1
+    assert rules.calls["_scaled_mm_v2"] == 12
+
+
+def test_fsdp2_weight_operands_built_once_per_unshard():
+    # 2 fake ranks, one block: FSDP2 gathers each weight for forward and again for backward
+    # (reshard_after_forward); each unshard builds the operand its GEMM takes, once, and the
+    # backward re-gather sends the shard packed for forward (one quantization per weight)
+    config = NVFP4Config(enable_fsdp_float8_all_gather=True)
+    with fake_world((2,)) as mesh, fake_cuda(B200), _WeightLayouts() as counts:
+        with torch.device("cuda"):
+            model = Transformer(model_args("tiny", dim=256, multiple_of=128, n_layers=1))
+            data = torch.randint(0, 256, (2, 41))
+        convert_to_float8_training(model, config=config, module_filter_fn=_blocks_only)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+        # steps: new weights; the same weights (their packs kept); written weights
+        for step, quantized in enumerate([len(layers), 0, len(layers)]):
+            if step == 2:
+                with torch.no_grad():
+                    for layer in layers:
+                        layer.weight.mul_(0.5)
+            counts.reset()
+            logits = model(data[:, :-1])
+            backward(logits.float().square().mean())
+            assert counts.per_gemm == NO_RELAYOUT * len(layers), step
+            assert counts.builds == {"output": len(layers), "transposed": len(layers)}, step
+            assert counts.quantizations == quantized, step
+
+
+def test_fsdp2_inference_forward_then_training():
+    # an inference-mode forward builds the output GEMM's operand; the training step after it
+    # rebuilds it into the same buffers (normal tensors, not inference ones)
+    config = NVFP4Config(enable_fsdp_float8_all_gather=True)
+    with fake_world((2,)) as mesh, fake_cuda(B200) as rules:
+        with torch.device("cuda"):
+            model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 32, bias=False))
+        convert_to_float8_training(model, config=config)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(8, 64, device="cuda")
+        with torch.inference_mode():
+            model(x)
+        params = [
+            p for layer in model for p in layer._get_fsdp_state()._fsdp_param_group.fsdp_params
+        ]
+        inner = [t for p in params for t in p._unsharded_inner_tensors]
+        # per weight: the gathered codes and tiles (FSDP2's buffers), the output GEMM's
+        # swizzled factors (its codes are the gathered ones: K = 64 needs no padding)
+        assert len(inner) == 3 * len(params)
+        assert not any(t.is_inference() for t in inner[2::3])
+        backward(model(x).float().square().sum())
+    assert rules.calls["_scaled_mm_v2"] == 2 + 3 * 2

@@ -1,7 +1,9 @@
 """The NVFP4 GEMM's dispatch and its CUDA operands, on CPU: what `nvfp4_mm` hands
 `F.scaled_mm` (padded codes, swizzled 1x16 factors, the tensor factor) holds exactly the
-quantized tensor; CPU always emulates; a CUDA device below SM100 is refused with the remedy
-unless `emulate=True`. (The fake-CUDA lane checks the call against torch's meta kernel.)"""
+quantized tensor; a weight's operands built once (`gemm_operand_parts`) are those bytes,
+its grad_input operand from its transposed tiles; CPU always emulates; a CUDA device below
+SM100 is refused with the remedy unless `emulate=True`. (The fake-CUDA lane checks the call
+against torch's meta kernel.)"""
 
 from __future__ import annotations
 
@@ -59,6 +61,48 @@ def test_transposed_weight_operand_repeats_each_tile_over_its_rows():
     _, (factors, _) = nvfp4._cuda_operand(qt)
     want = qt.block_inv_scale.float().repeat_interleave(16, dim=0)
     assert torch.equal(_unswizzle(factors, 48, 2).float(), want)
+
+
+@pytest.mark.parametrize("rows,k", [(80, 48), (32, 64)], ids=["80x48_padded", "32x64"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["output", "grad_input"])
+def test_built_weight_operand_is_the_per_gemm_operand(rows, k, transpose):
+    # the operand a weight's GEMM takes as it is: the bytes the GEMM would otherwise make
+    # from the record (transposed for grad_input), and rebuilt into the same buffers
+    torch.manual_seed(0)
+    w = torch.randn(rows, k) * torch.logspace(-3, 3, k)
+    q = nvfp4.quantize(w, _amax(w), nvfp4.WEIGHT_BLOCK)
+    (codes, factors), buffers = nvfp4.gemm_operand_parts(q, transpose=transpose)
+    want_codes, (want_factors, _) = nvfp4._cuda_operand(nvfp4.transposed(q) if transpose else q)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(factors.view(torch.uint8), want_factors.view(torch.uint8))
+    operand = nvfp4.gemm_operand(q, (codes, factors), transpose=transpose)
+    assert operand.shape == ((k, rows) if transpose else (rows, k))
+    assert operand.tensor_factor is not None and operand.tensor_factor.dim() == 0
+    # codes needing neither padding nor transposition are the record's own bytes
+    as_is = not transpose and k % 32 == 0
+    assert (codes.view(torch.uint8).data_ptr() == q.packed.data_ptr()) == as_is
+    assert len(buffers) == (1 if as_is else 2)
+    w2 = torch.randn(rows, k)
+    q2 = nvfp4.quantize(w2, _amax(w2), nvfp4.WEIGHT_BLOCK)
+    (codes2, factors2), new = nvfp4.gemm_operand_parts(
+        q2, transpose=transpose, out=(codes, factors)
+    )
+    assert new == () and factors2.data_ptr() == factors.data_ptr()
+    assert as_is or codes2.view(torch.uint8).data_ptr() == codes.view(torch.uint8).data_ptr()
+    want_codes, (want_factors, _) = nvfp4._cuda_operand(nvfp4.transposed(q2) if transpose else q2)
+    assert torch.equal(codes2.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(factors2.view(torch.uint8), want_factors.view(torch.uint8))
+
+
+def test_prepared_mm_refuses_another_k_and_the_cpu():
+    a, w = torch.randn(4, 32), torch.randn(16, 48)
+    qa, qw = nvfp4.quantize(a, _amax(a)), nvfp4.quantize(w, _amax(w), nvfp4.WEIGHT_BLOCK)
+    operand = nvfp4.gemm_operand(qw, nvfp4.gemm_operand_parts(qw)[0])
+    with pytest.raises(ValueError, match="same K"):
+        nvfp4.prepared_mm(qa, operand)
+    qw32 = nvfp4.quantize(w[:, :32], _amax(w), nvfp4.WEIGHT_BLOCK)
+    with pytest.raises(ValueError, match="use nvfp4_mm"):
+        nvfp4.prepared_mm(qa, nvfp4.gemm_operand(qw32, nvfp4.gemm_operand_parts(qw32)[0]))
 
 
 def test_cpu_always_emulates():

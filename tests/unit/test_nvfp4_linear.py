@@ -1,7 +1,7 @@
 """NVFP4Linear (fsdp_float8.nn.nvfp4_linear): its three GEMMs against a high-precision
 nn.Linear, each GEMM against its definition built here from the numerics of
 `fsdp_float8.core.nvfp4`, stochastic rounding's expectation, reproducibility, conversion,
-state dicts, and the refusals.
+state dicts, the refusals, and one quantization of the weight per version of its values.
 
 SQNR floors (output, grad_input, grad_weight against float32 nn.Linear): measured on CPU
 (torch 2.13) over seeds 0..31, x (4, 64, 256) randn, weight nn.Linear(256, 128)'s init,
@@ -10,6 +10,8 @@ mean - 6 * std rounded down to 0.1 dB, the measured mean / std in the comment.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -264,3 +266,36 @@ def test_inductor_gives_the_eager_outputs_and_gradients_bit_for_bit(config) -> N
     eager = _grads(layer, x, go)
     compiled = _grads(torch.compile(layer, fullgraph=True, backend="inductor"), x, go)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+def test_an_unsharded_weight_is_quantized_once_per_version() -> None:
+    # forward and backward share one quantization of the weight; a layer called twice in a
+    # step too; an in-place write (an optimizer step) makes a new version, quantized anew
+    layer = NVFP4Linear.from_float(nn.Linear(64, 32, bias=False), NVFP4Config())
+    real, count = nvfp4.quantize, [0]
+
+    def quantize(x, amax, block=nvfp4.ACTIVATION_BLOCK, **kwargs):
+        count[0] += block == nvfp4.WEIGHT_BLOCK
+        return real(x, amax, block, **kwargs)
+
+    x = torch.randn(3, 8, 64)
+    with mock.patch.object(nvfp4, "quantize", quantize):
+        layer(x[0]).sum().backward()
+        assert count[0] == 1
+        (layer(x[1]) + layer(x[2])).sum().backward()
+        assert count[0] == 2
+        with torch.no_grad():
+            layer.weight.mul_(0.5)
+        layer(x[1]).sum().backward()
+        assert count[0] == 3
+        # a write between two forwards: the second sees the new values (scaled by 2, the
+        # codes and tile factors stay, the output doubles exactly)
+        first = layer(x[0])  # its graph holds the quantized weight
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        second = layer(x[0])
+        assert torch.equal(second, 2 * first) and count[0] == 5
+    # the same weight after the write: the outputs of a fresh quantization
+    fresh = NVFP4Linear.from_float(nn.Linear(64, 32, bias=False), NVFP4Config())
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x[2]), fresh(x[2]))
