@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_float8.core._compat import scaled_mm_v2
+from fsdp_float8.core.families import broadcasting, recipes_where
 from fsdp_float8.core.payload import E8M0, e8m0_from_scale
 
 _FP32_PAIRS = {((1, 128), (128, 128)), ((1, 128), (128, 1)), ((128, 128), (128, 1))}
@@ -51,7 +52,7 @@ def cuda_block_scaled_mm(a, a_scale, a_block, b, b_scale, b_block, out_dtype, fa
         raise ValueError(
             f"block-scaled float8 GEMM on {a.device}: {problem}. Set "
             "Float8LinearConfig(emulate=True) to run the same numerics emulated in float32, "
-            "or use the 'tensorwise' / 'rowwise' recipe on this device"
+            f"or use the {recipes_where(broadcasting)} recipe on this device"
         )
     st = F.ScalingType
     a = a.contiguous()

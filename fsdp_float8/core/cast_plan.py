@@ -20,15 +20,9 @@ from typing import Any, Self
 
 import torch
 
-from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
+from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import GEMM_OPERANDS, GEMMS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
-from fsdp_float8.core.scaling import (
-    Axiswise,
-    DynamicScaling,
-    Granularity,
-    ScalingStrategy,
-    Tensorwise,
-)
+from fsdp_float8.core.scaling import DynamicScaling, Granularity, ScalingStrategy
 
 CASTS: tuple[tuple[Operand, Gemm], ...] = tuple(
     (op, gemm) for gemm, ops in GEMM_OPERANDS.items() for op in ops
@@ -68,8 +62,7 @@ class CastPlan:
             emulate=config.emulate,
             pad_inner_dim=config.pad_inner_dim,
             weight_from_rows=config.enable_fsdp_float8_all_gather
-            and config.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_granularity
-            is ScalingGranularity.AXISWISE,
+            and config.cast(Operand.WEIGHT, Gemm.OUTPUT).scaling_granularity.family.per_row,
             blocks={g: _gemm_blocks(config, g) for g in GEMMS},
             scale_dtypes={
                 g: config.cast(GEMM_OPERANDS[g][0], g).granularity().scale_dtype for g in GEMMS
@@ -96,14 +89,14 @@ class CastPlan:
     def joint_output_cast(self) -> bool:
         """The output GEMM's input and weight are both cast with the dynamic tensorwise
         scale of their own amax, to one float8 dtype, with no reduction over a group: the
-        two casts can run as one (`formats.tensorwise.joint_cast`)."""
+        two casts can run as one (the family's `joint_cast`, in `fsdp_float8.formats`)."""
         x = self.strategies[(Operand.INPUT, Gemm.OUTPUT)]
         w = self.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
         return (
             isinstance(x, DynamicScaling)
             and isinstance(w, DynamicScaling)
-            and isinstance(x.granularity, Tensorwise)
-            and isinstance(w.granularity, Tensorwise)
+            and _one_scale(x.granularity)
+            and _one_scale(w.granularity)
             and x.group is None
             and w.group is None
             and self.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
@@ -111,9 +104,14 @@ class CastPlan:
         )
 
 
+def _one_scale(granularity: Granularity) -> bool:
+    """One scale for the whole operand: its scale's amax needs the whole tensor."""
+    return granularity.family.needs_global_amax
+
+
 def _row_scaled(config: Float8LinearConfig, gemm: Gemm) -> bool:
     cast = config.cast(GEMM_OPERANDS[gemm][0], gemm)
-    return cast.enabled and cast.scaling_granularity is not ScalingGranularity.TENSORWISE
+    return cast.enabled and not cast.scaling_granularity.family.needs_global_amax
 
 
 def block_cast(
@@ -122,7 +120,7 @@ def block_cast(
     """The first float8 cast whose scale does not broadcast (a block scale), or None: what
     the GEMM families without a block GEMM (experts, tensor parallelism) refuse."""
     for (operand, gemm), strategy in strategies.items():
-        if strategy is not None and not isinstance(strategy.granularity, (Tensorwise, Axiswise)):
+        if strategy is not None and not strategy.granularity.broadcast_scales:
             return operand, gemm, strategy.granularity
     return None
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fsdp_float8.core import scaling
+from fsdp_float8.core import families, scaling
 from fsdp_float8.core.config_blocks import check_block_cast, check_linear_blocks
 from fsdp_float8.core.config_fields import (
     Float8ConfigError,
@@ -59,6 +59,11 @@ class ScalingGranularity(enum.Enum):
     AXISWISE = "axiswise"
     # one scale per block of CastConfig.block_shape = (across, along) the contraction dim
     BLOCKWISE = "blockwise"
+
+    @property
+    def family(self) -> families.Family:
+        """The format family of casts with this granularity (`fsdp_float8.core.families`)."""
+        return families.of_granularity(self.value)
 
 
 @dataclass(frozen=True)

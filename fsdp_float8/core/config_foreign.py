@@ -19,6 +19,7 @@ from typing import Any
 
 from fsdp_float8.core.config import Float8LinearConfig, foreign_value
 from fsdp_float8.core.config_fields import Float8ConfigError
+from fsdp_float8.core.families import DEFAULT_RECIPE
 
 _LINEAR_FIELDS = {f.name for f in dataclasses.fields(Float8LinearConfig)}
 _SECOND_USE = {
@@ -41,7 +42,7 @@ def as_float8_linear_config(config: object, argument: str = "config") -> Float8L
         raise TypeError(
             f"{argument}={config!r} has type {kind}; expected an fsdp_float8."
             "Float8LinearConfig (torchao.float8's Float8LinearConfig is converted too), e.g. "
-            "Float8LinearConfig.from_recipe_name('tensorwise')"
+            f"Float8LinearConfig.from_recipe_name({DEFAULT_RECIPE!r})"
         )
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(config):

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fsdp_float8.core.config_blocks import check_block_all_gather
 from fsdp_float8.core.config_fields import Float8ConfigError
+from fsdp_float8.core.families import Family, granularities_where, of_granularity, recipes_where
 from fsdp_float8.core.gemms import GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.core.scaling import float8_max
 
@@ -66,47 +66,39 @@ def _check_second_use(casts: Casts, operand: Operand) -> None:
 
 
 def _check_fsdp_all_gather(fwd, bwd) -> None:
-    """The gathered weight serves both weight GEMMs. Tensorwise: one scale for both
-    (same dtype and scaling type). Axiswise (per output row, local to each dim-0 shard):
-    the grad_input weight is re-cast from the gathered rows (any dynamic cast)."""
+    """The gathered weight serves both weight GEMMs, as its family's rule says
+    (`Family.all_gather_rule`): one scale or square blocks serve both as gathered; per-row
+    scales (local to each dim-0 shard) have the grad_input weight re-cast from the rows."""
     if not (fwd.enabled and bwd.enabled):
         raise Float8ConfigError(
             "enable_fsdp_float8_all_gather=True needs a float8 weight in both weight "
             f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
             f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
         )
-    granularity = fwd.scaling_granularity.value
-    if granularity == "axiswise":
-        return  # axiswise is dynamic-only, so _check_second_use made bwd dynamic too
-    if granularity == "blockwise":
-        check_block_all_gather(fwd, bwd)
-        return
-    if fwd.target_dtype != bwd.target_dtype or bwd.scaling_type != fwd.scaling_type:
-        raise Float8ConfigError(
-            "enable_fsdp_float8_all_gather=True with a tensorwise weight gathers one "
-            "float8 weight for both weight GEMMs; give cast_config_weight_for_grad_input "
-            "the same dtype and scaling type as cast_config_weight (or leave it None)"
-        )
-    if bwd.scaling_granularity.value != "tensorwise":
-        raise Float8ConfigError(
-            "a tensorwise gathered weight cannot serve an axiswise grad_input cast; make "
-            "cast_config_weight_for_grad_input tensorwise (or leave it None)"
-        )
+    rule = of_granularity(fwd.scaling_granularity.value).all_gather_rule
+    assert rule is not None  # every float8 family has one
+    rule(fwd, bwd)
 
 
 def _check_save_input_in_float8(first, second) -> None:
-    """Tensorwise: backward reuses the forward's float8 input. Blockwise: forward also
-    casts the input for grad_weight (tiles along the token dim) and saves that."""
+    """One scale: backward reuses the forward's float8 input. Blocks: forward also casts
+    the input for grad_weight (tiles along the token dim) and saves that
+    (`Family.saves_float8_input`)."""
     kinds = {c.scaling_granularity.value for c in (first, second) if c.enabled}
     both = first.enabled and second.enabled and len(kinds) == 1
     same = first.target_dtype == second.target_dtype
-    if not (same and both and kinds <= {"tensorwise", "blockwise"}):
+    if not (same and both and all(of_granularity(k).saves_float8_input for k in kinds)):
+        saving = granularities_where(_saves_float8)
         raise Float8ConfigError(
             "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
-            "input tensorwise (or blockwise) with the same dtype for output and "
-            "grad_weight; use the 'tensorwise', 'blockwise' or 'mxfp8' recipe or set "
+            f"input {saving} with the same dtype for output and "
+            f"grad_weight; use the {recipes_where(_saves_float8)} recipe or set "
             "save_input_in_float8=False"
         )
+
+
+def _saves_float8(family: Family) -> bool:
+    return family.saves_float8_input and family.granularity is not None
 
 
 def check_no_e5m2_pair(casts: Casts) -> None:

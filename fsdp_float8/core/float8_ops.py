@@ -48,7 +48,7 @@ def _refuse_blocks(t: Float8Tensor, what: str) -> None:
         )
 
 
-def _tensorwise(t: Float8Tensor) -> bool:
+def _one_scale(t: Float8Tensor) -> bool:
     return t._scale.numel() == 1 and t._scale.dim() == 0
 
 
@@ -74,7 +74,7 @@ def _clone(func, args, kwargs):
 @implements(aten.t.default, aten.transpose.int)
 def _transpose(func, args, kwargs):
     t = args[0]
-    if _tensorwise(t):
+    if _one_scale(t):
         return _rewrap(t, func(t._data, *args[1:]))
     block = None if t._block is None else (t._block[1], t._block[0])  # 2-D: swap
     return _rewrap(t, func(t._data, *args[1:]), func(t._scale, *args[1:]), block)
@@ -87,7 +87,7 @@ def _view(func, args, kwargs):
         return _rewrap(t, func(t._data, shape))
     _refuse_blocks(t, f"view as {shape}")
     data = func(t._data, shape)
-    if _tensorwise(t):
+    if _one_scale(t):
         return _rewrap(t, data)
     new_shape, scale = list(data.shape), t._scale
     if scale.shape[-1] == 1 and new_shape[-1] == t._data.shape[-1]:
@@ -95,7 +95,7 @@ def _view(func, args, kwargs):
     if scale.numel() == scale.shape[-1] and new_shape[-1] == t._data.shape[-1]:
         return _rewrap(t, data, scale.reshape([1] * (len(new_shape) - 1) + [scale.shape[-1]]))
     raise ValueError(
-        f"cannot view an axiswise Float8Tensor of shape {tuple(t.shape)} (scale "
+        f"cannot view a per-axis-scaled Float8Tensor of shape {tuple(t.shape)} (scale "
         f"{tuple(scale.shape)}) as {shape}: only views that keep the last dim move the "
         "scale along; dequantize first"
     )
@@ -103,7 +103,7 @@ def _view(func, args, kwargs):
 
 def _slice_scale(t: Float8Tensor, dim: int, start, end, step=1) -> torch.Tensor:
     _refuse_blocks(t, "slicing")
-    if _tensorwise(t) or t._scale.shape[dim] == 1:
+    if _one_scale(t) or t._scale.shape[dim] == 1:
         return t._scale
     return aten.slice.Tensor(t._scale, dim, start, end, step)
 
@@ -145,12 +145,12 @@ def _as_strided(func, args, kwargs):
     _refuse_blocks(t, f"as_strided to {size}")
     data = func(t._data, *args[1:], **kwargs)
     # (cutting the padding rows keeps the weight: its operands are built from the cut one)
-    if _tensorwise(t):
+    if _one_scale(t):
         return _same_weight(t, _rewrap(t, data))
     if per_row and t._data.is_contiguous():
         return _same_weight(t, _rewrap(t, data, scale[: size[0]]))
     raise ValueError(
-        f"as_strided on an axiswise Float8Tensor with scale {tuple(scale.shape)} is only "
+        f"as_strided on a per-axis-scaled Float8Tensor with scale {tuple(scale.shape)} is only "
         "supported for per-row scales of a contiguous tensor"
     )
 
@@ -166,7 +166,7 @@ def _cat(func, args, kwargs):
         _refuse_blocks(x, "cat")
     # tensorwise, or axiswise along the reduced dim (scale size 1 there): one scale covers
     # the result, so the pieces must share it
-    shared = all(_tensorwise(x) for x in tensors) or all(
+    shared = all(_one_scale(x) for x in tensors) or all(
         x._scale.dim() > 0 and x._scale.shape[dim] == 1 for x in tensors
     )
     if shared:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.core.blocks import Block, block_scaled_mm
+from fsdp_float8.core.families import one_scale, recipes_where
 
 
 def check_gemm_scales(
@@ -107,12 +108,12 @@ def _cpu_scaled_mm(
     as they are inside a CUDA GEMM: torch.compile calls it as it calls `torch._scaled_mm`,
     and the graph around it is the one a GPU gets (`f8train/count_kernels.py` opens it).
     """
-    tensorwise = inv_a.dim() == 0 and inv_b.dim() == 0
+    one_scale = inv_a.dim() == 0 and inv_b.dim() == 0
     if cpu_scaled_mm_takes_row_scales():
-        if tensorwise:
+        if one_scale:
             inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
             inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
-    elif not tensorwise:
+    elif not one_scale:
         return row_scaled_mm_around_unit_gemm(a_data, b_data, inv_a, inv_b, out_dtype)
     return torch._scaled_mm(
         a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
@@ -244,7 +245,7 @@ def check_gemm_supported(device_type: str, *, rowwise: bool, out_dtype: torch.dt
             "torch._scaled_mm with row-wise scales produces bfloat16 only; train with "
             "bfloat16 parameters and activations (FSDP2 MixedPrecisionPolicy(param_dtype="
             "torch.bfloat16), torch.autocast, or model.to(torch.bfloat16)), or use the "
-            "'tensorwise' recipe, or Float8LinearConfig(emulate=True)"
+            f"{recipes_where(one_scale)} recipe, or Float8LinearConfig(emulate=True)"
         )
 
 

@@ -41,6 +41,7 @@ import torch
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
 from fsdp_float8.core.blocks import Block, blocked, cast_to_float8_blocks, expand_block_scale
 from fsdp_float8.core.constants import constant
+from fsdp_float8.core.families import Family, of_granularity
 
 # the largest scale: its inverse is float32's smallest normal, 2^-126 (see the docstring)
 MAX_SCALE = 2.0**126
@@ -176,6 +177,21 @@ def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 class Granularity(Protocol):
     @property
+    def family(self) -> Family:
+        """Its format family (`fsdp_float8.core.families`)."""
+        ...
+
+    @property
+    def per_row(self) -> bool:
+        """One scale per row along the contraction dim (`Family.per_row`)."""
+        ...
+
+    @property
+    def broadcast_scales(self) -> bool:
+        """Scales that broadcast against the operand, not blocks (`Family.broadcast_scales`)."""
+        ...
+
+    @property
     def transpose_invariant(self) -> bool:
         """True when one cast serves the operand contracted along either dim (tensorwise,
         square blocks): the layer then reuses it for the operand's second GEMM."""
@@ -216,8 +232,27 @@ class Granularity(Protocol):
         ...
 
 
+class _FamilyFacts:
+    """What generic code asks of a granularity's format family (`core.families`)."""
+
+    word: ClassVar[str]  # its `ScalingGranularity` value
+
+    @property
+    def family(self) -> Family:
+        return of_granularity(self.word)
+
+    @property
+    def per_row(self) -> bool:
+        return self.family.per_row
+
+    @property
+    def broadcast_scales(self) -> bool:
+        return self.family.broadcast_scales
+
+
 @dataclass(frozen=True)
-class Tensorwise:
+class Tensorwise(_FamilyFacts):
+    word = "tensorwise"
     transpose_invariant = True
     scale_dtype = torch.float32
 
@@ -237,7 +272,8 @@ class Tensorwise:
 
 
 @dataclass(frozen=True)
-class Axiswise:
+class Axiswise(_FamilyFacts):
+    word = "axiswise"
     transpose_invariant = False
     scale_dtype = torch.float32
 
@@ -257,7 +293,7 @@ class Axiswise:
 
 
 @dataclass(frozen=True)
-class Blockwise:
+class Blockwise(_FamilyFacts):
     """One scale per block of `shape = (across, along)` elements of a 2-D operand: `along`
     on the dim the GEMM contracts, `across` on the other. (1, 128) is DeepSeek's activation
     tile, (128, 128) its weight block, (1, 32) / (32, 32) MX's; a square block is the same
@@ -267,6 +303,7 @@ class Blockwise:
     RCEIL, see `fsdp_float8.core.payload.e8m0_from_scale`). In memory the scale is float32 either
     way, in this package's convention (multiplies hp into float8 range)."""
 
+    word = "blockwise"
     shape: tuple[int, int] = (1, 128)
     scale_dtype: torch.dtype = torch.float32
 

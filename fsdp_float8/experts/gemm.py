@@ -28,9 +28,10 @@ import torch
 
 from fsdp_float8.core.cast_plan import CASTS, CastPlan, Pair, block_cast
 from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.families import broadcasting, recipe_where, recipes_where, scaled_per_row
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand, refuse_double_backward
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
-from fsdp_float8.core.scaling import Axiswise, DynamicScaling, cast_to_float8_data
+from fsdp_float8.core.scaling import DynamicScaling, cast_to_float8_data
 from fsdp_float8.experts.grouped_mm import (
     group_column_amax,
     grouped_mm_hp,
@@ -66,18 +67,19 @@ def check_expert_config(config: Float8LinearConfig) -> None:
         op, gemm, granularity = blocked
         raise ValueError(
             f"block-scaled float8 expert GEMMs are not supported yet; {op.value} for "
-            f"{gemm.value} has {granularity}. Give the experts a tensorwise or rowwise "
-            "recipe: convert_to_float8_training(model, config=..., expert_config="
-            "Float8LinearConfig.from_recipe_name('rowwise'))"
+            f"{gemm.value} has {granularity}. Give the experts a "
+            f"{recipes_where(broadcasting)} recipe: convert_to_float8_training(model, "
+            "config=..., expert_config="
+            f"Float8LinearConfig.from_recipe_name({recipe_where(scaled_per_row)!r}))"
         )
     for (op, gemm), strategy in strategies.items():
         if strategy is not None and not isinstance(strategy, DynamicScaling):
             raise ValueError(
                 f"float8 expert GEMMs scale dynamically only; {op.value} for {gemm.value} is "
                 f"{config.cast(op, gemm).scaling_type.value}. Use a dynamic recipe for the "
-                "experts ('rowwise', 'tensorwise', 'rowwise_with_gw_hp'), e.g. "
+                f"experts ({recipes_where(broadcasting, 'or')}), e.g. "
                 "convert_to_float8_training(model, config=..., expert_config="
-                "Float8LinearConfig.from_recipe_name('rowwise'))"
+                f"Float8LinearConfig.from_recipe_name({recipe_where(scaled_per_row)!r}))"
             )
 
 
@@ -89,7 +91,7 @@ def cast_expert_operand(hp, op: Operand, gemm: Gemm, plan: CastPlan, offs) -> Pa
         return hp, None
     dtype, dim = plan.dtypes[(op, gemm)], EXPERT_SCALE_DIM[(op, gemm)]
     if not isinstance(dim, int) and isinstance(strategy, DynamicScaling):
-        if isinstance(strategy.granularity, Axiswise):  # per (expert, column)
+        if strategy.granularity.per_row:  # per (expert, column)
             scale = strategy.scale_from_amax(group_column_amax(hp, offs), dtype)
             return cast_to_float8_data(hp, per_row(scale, offs, hp.shape[0]), dtype), scale
     scale = strategy.scale(hp, dim if isinstance(dim, int) else -1, dtype)

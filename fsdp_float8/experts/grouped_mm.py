@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_float8.core._compat import grouped_mm_available, scaled_grouped_mm_available
+from fsdp_float8.core.families import recipes_where, scaled_per_row
 from fsdp_float8.core.gemm import check_gemm_scales, row_and_column_major, scaled_mm_data
 from fsdp_float8.core.scaling import grouped_axis_amax
 
@@ -180,7 +181,7 @@ def _cuda_scaled_grouped_mm(a, a_scale, b, b_scale, offs, out_dtype, fast_accum)
     if a.dtype != e4m3 or b.dtype != e4m3 or out_dtype != torch.bfloat16:
         raise ValueError(
             f"torch._scaled_grouped_mm takes e4m3 operands and gives a bfloat16 output; got "
-            f"{a.dtype} x {b.dtype} -> {out_dtype}. Use the 'rowwise' or 'rowwise_with_gw_hp' "
+            f"{a.dtype} x {b.dtype} -> {out_dtype}. Use the {recipes_where(scaled_per_row)} "
             "recipe (e4m3 everywhere) with bfloat16 activations, or emulate=True"
         )
     groups = offs.numel()

@@ -23,14 +23,24 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_float8.core.cast_plan import Cast, CastPlan
+from fsdp_float8.core.families import FAMILIES
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.payload import E8M0, PayloadLayout
-from fsdp_float8.formats import rowwise
-from fsdp_float8.formats.operands import AS_IS, CACHED, Pair, column_major
-from fsdp_float8.formats.tensorwise import attach_operands, refilled, unsharded
+from fsdp_float8.formats.operands import (
+    AS_IS,
+    CACHED,
+    Pair,
+    attach_operands,
+    column_major,
+    refilled,
+    unsharded,
+)
+from fsdp_float8.formats.recast import recast_kind, recast_operand
 
-NEEDS_GLOBAL_AMAX = False
+FAMILY = FAMILIES["block"]  # its entry in the family table
+# whether a shard's scale needs the whole weight's amax (read through `Family`)
+NEEDS_GLOBAL_AMAX = FAMILY.needs_global_amax
 
 
 def check_block_shards(rows: int, shards: int, block_rows: int, *, owner: str = "") -> None:
@@ -100,11 +110,16 @@ class BlockGather:
         refilled(out)
 
 
+def gathered_by(weight: Float8Tensor) -> bool:
+    """Whether this format's all-gather built `weight`: block scales."""
+    return weight._block is not None
+
+
 def operand_kind(weight: Float8Tensor, gemm: Gemm, plan: CastPlan) -> str:
     if gemm is Gemm.OUTPUT:
         return CACHED if _mx_on_cuda(weight, plan) else AS_IS
     if not plan.shared(Operand.WEIGHT):  # grad_input cast otherwise: from the rows
-        return rowwise.operand_kind(weight, gemm, plan)
+        return recast_kind(plan)
     # the emulated block GEMM takes any layout; a 3-D expert weight, its grouped GEMM's
     emulated = plan.emulate or not weight.is_cuda
     return AS_IS if emulated or weight._data.dim() != 2 else CACHED
@@ -116,7 +131,7 @@ def build_operand(
     """The CUDA GEMM's operand, into `out`'s buffers when given: grad_input's column-major;
     an MX weight's scales e8m0 and swizzled as the right operand of either GEMM."""
     if gemm is Gemm.GRAD_INPUT and not plan.shared(Operand.WEIGHT):
-        return rowwise.build_operand(weight, gemm, plan, cast, context, out)
+        return recast_operand(weight, plan, cast, context, out)
     data, scale = weight._data, weight._scale
     new: tuple[torch.Tensor, ...] = ()
     if gemm is Gemm.GRAD_INPUT:  # the weight is the right operand: column-major

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_float8.core.float8_tensor import Float8Tensor
+
 Pair = tuple[torch.Tensor, torch.Tensor | None]
 
 # how a gathered weight becomes a GEMM's operand (a format's `operand_kind`): its data and
@@ -47,7 +49,7 @@ class GatheredOperands:
     # the post-all-gather hook's inner tensors, the very list FSDP2 keeps: it frees each
     # at reshard and re-allocates each before the next post-all-gather call
     inner: list[torch.Tensor]
-    # a tensorwise weight's (scale, 1 / scale), refilled with the data: its [0] is the
+    # a one-scale weight's (scale, 1 / scale), refilled with the data: its [0] is the
     # weight's `_scale`, its [1] what the GEMMs multiply by (`inverse`)
     scales: torch.Tensor | None = None
     builds: int = 0  # how many times an operand was built (tests count it)
@@ -87,3 +89,41 @@ def column_major(data: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Te
         columns = out.t()
     columns.copy_(data.t())
     return columns.t(), (() if out is not None else (columns,))
+
+
+def read_here(scale: torch.Tensor) -> None:
+    """A scale made on FSDP2's all-gather copy-in stream, read on the current stream:
+    without this the caching allocator may hand its memory to the next block's prefetch
+    (on the copy-in stream) before the read has run."""
+    if scale.is_cuda:
+        scale.record_stream(torch.cuda.current_stream(scale.device))
+
+
+def unsharded(out, gathered: torch.Tensor) -> Float8Tensor:
+    """`out` checked as the weight a refill updates: a Float8Tensor whose data views the
+    all-gather output FSDP2 just refilled (its storage, kept across reshard and unshard)."""
+    if not isinstance(out, Float8Tensor):
+        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
+    if out._data.untyped_storage()._cdata != gathered.untyped_storage()._cdata:
+        raise RuntimeError(
+            f"refill of an unsharded float8 weight {tuple(out.shape)} whose data does not "
+            f"view the gathered buffer {tuple(gathered.shape)} FSDP2 refilled: the weight "
+            "would keep stale values. Its data was replaced after the first all-gather; "
+            "leave FSDP2's unsharded parameters as FSDP2 built them"
+        )
+    return out
+
+
+def attach_operands(
+    weight: Float8Tensor, inner: list[torch.Tensor], scales: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Give a freshly built unsharded weight its once-per-unshard operands record; `inner`
+    (the tensors FSDP2 frees and refills) is the list the record extends; `scales`:
+    (scale, 1 / scale) of a one-scale weight, whose [0] is `weight._scale`."""
+    weight._operands = GatheredOperands(inner, scales=scales)
+    return inner
+
+
+def refilled(out: Float8Tensor) -> None:
+    if out._operands is not None:
+        out._operands.refilled()

@@ -11,9 +11,9 @@ over the shards (the scales cannot be padded to FSDP2's padded shard size); ever
 the same sizes and refuses alike.
 
 grad_input contracts over the rows, so its operand is the row-cast weight re-cast along the
-columns (`build_operand`), built once per unshard (`operands`). The same re-cast serves a
-weight that is not gathered in float8 (`grad_input_from_rows`), so a model's numerics do
-not depend on how it is sharded.
+columns (`build_operand`, by `fsdp_float8.formats.recast`), built once per unshard
+(`operands`). The same re-cast serves a weight that is not gathered in float8
+(`recast.grad_input_from_rows`), so a model's numerics do not depend on how it is sharded.
 """
 
 from __future__ import annotations
@@ -23,13 +23,22 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_float8.core.cast_plan import Cast, CastPlan
+from fsdp_float8.core.families import FAMILIES, one_scale, recipes_where
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import Axiswise, DynamicScaling, Tensorwise
-from fsdp_float8.formats.operands import AS_IS, CACHED, CAST, Pair
-from fsdp_float8.formats.tensorwise import attach_operands, read_here, refilled, unsharded
+from fsdp_float8.core.gemms import Gemm
+from fsdp_float8.formats.operands import (
+    AS_IS,
+    Pair,
+    attach_operands,
+    read_here,
+    refilled,
+    unsharded,
+)
+from fsdp_float8.formats.recast import recast_kind, recast_operand
 
-NEEDS_GLOBAL_AMAX = False
+FAMILY = FAMILIES["rowwise"]  # its entry in the family table
+# whether a shard's scale needs the whole weight's amax (read through `Family`)
+NEEDS_GLOBAL_AMAX = FAMILY.needs_global_amax
 
 
 def check_rows(rows: int, shards: int) -> None:
@@ -37,8 +46,8 @@ def check_rows(rows: int, shards: int) -> None:
         raise ValueError(
             f"rowwise float8 all-gather of a weight with {rows} rows over {shards} shards: "
             "FSDP2 needs every all-gather input at the padded shard size, which the row "
-            "scales cannot have; use rows divisible by the shard count, the 'tensorwise' "
-            "recipe, or enable_fsdp_float8_all_gather=False"
+            f"scales cannot have; use rows divisible by the shard count, the "
+            f"{recipes_where(one_scale)} recipe, or enable_fsdp_float8_all_gather=False"
         )
 
 
@@ -102,89 +111,25 @@ class RowwiseGather:
         refilled(out)
 
 
+def gathered_by(weight: Float8Tensor) -> bool:
+    """Whether this format's all-gather built `weight`: per-row scales, no blocks."""
+    return weight._block is None and weight._scale.dim() > 0
+
+
+def pack(data, scale, emulate: bool, mid: tuple[int, ...], *, shards: int):
+    """A shard's all-gather inputs and metadata (`RowwiseGather.pack`)."""
+    return RowwiseGather.pack(data, scale, emulate, mid, shards=shards)
+
+
 def operand_kind(weight: Float8Tensor, gemm: Gemm, plan: CastPlan) -> str:
     """The output GEMM takes the gathered rows as they are; grad_input the rows re-cast
     along the columns (built once per unshard) where its cast's scale broadcasts, else a
     cast from the dequantized weight at each use."""
-    if gemm is Gemm.OUTPUT:
-        return AS_IS
-    return CACHED if _recast_columns(plan) else CAST
+    return AS_IS if gemm is Gemm.OUTPUT else recast_kind(plan)
 
 
 def build_operand(
     weight: Float8Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, context, out: Pair | None
 ) -> tuple[Pair, tuple[torch.Tensor, ...]]:
     """grad_input's operand, into `out`'s buffers when given (`operand_kind`)."""
-    data, scale = weight._data, weight._scale
-    if not _recast_columns(plan):
-        return grad_input_from_rows((data, scale), plan, cast, context), ()
-    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    assert isinstance(strategy, DynamicScaling)
-    dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    return _columns_from_rows(data, scale, strategy, dtype, out, _pow2_rows(plan))
-
-
-def _recast_columns(plan: CastPlan) -> bool:
-    """grad_input's weight cast is dynamic with a scale that broadcasts (per column, or
-    tensorwise): the row-cast weight is re-cast in place; blocks need their own cast."""
-    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    return isinstance(strategy, DynamicScaling) and isinstance(
-        strategy.granularity, (Tensorwise, Axiswise)
-    )
-
-
-def grad_input_from_rows(rows: Pair, plan: CastPlan, cast: Cast, context) -> Pair:
-    """The grad_input operand from a row-cast weight (sharded or not, so a model's numerics
-    do not depend on how it is sharded)."""
-    scale = rows[1]
-    if scale is None or scale.dim() == 0 or plan.shared(Operand.WEIGHT):
-        return rows
-    # grad_input contracts over the rows: re-cast from the row-cast weight (no extra bytes
-    # gathered; grad_input SQNR within ~0.1 dB (rowwise) / ~2.5 dB (tensorwise,
-    # rowwise_with_gw_hp) of a cast from hp)
-    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    if _recast_columns(plan):
-        assert isinstance(strategy, DynamicScaling)
-        dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-        return _columns_from_rows(rows[0], scale, strategy, dtype, None, _pow2_rows(plan))[0]
-    hp = rows[0].to(torch.float32)
-    hp.mul_(scale.reciprocal())  # in place: the one float32 copy of the weight
-    return cast(hp, Operand.WEIGHT, Gemm.GRAD_INPUT, plan, context)
-
-
-def _pow2_rows(plan: CastPlan) -> bool:
-    """Whether the weight's row scales (its output GEMM cast) are powers of two."""
-    strategy = plan.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
-    return isinstance(strategy, DynamicScaling) and strategy.power_of_2
-
-
-def _columns_from_rows(
-    data: torch.Tensor,
-    row_scale: torch.Tensor,
-    strategy: DynamicScaling,
-    dtype: torch.dtype,
-    out: Pair | None,
-    pow2_rows: bool,
-) -> tuple[Pair, tuple[torch.Tensor, ...]]:
-    """A row-cast (N, K) weight (or (E, N, K), one per expert) re-cast along N for
-    grad_input, in the GEMM's column-major layout: one float32 (K, N) buffer, dequantized,
-    scaled and clamped in place, plus the amax's transient |x| (a bf16 weight cast from hp
-    writes ~1.75 float32 weights' bytes). The same values as dequantize-then-cast
-    (elementwise ops, exact max). With `out`, the float8 columns are written into its
-    buffer; the new buffers returned are the columns only (FSDP2 frees them with the
-    weight), the K scales are kept as made."""
-    hp_t = data.mT.to(torch.float32, memory_format=torch.contiguous_format)
-    if pow2_rows:  # x / s is x * (1 / s) exactly: one op
-        hp_t.div_(row_scale.mT)
-    else:  # as the dequantization rounds
-        hp_t.mul_(row_scale.reciprocal().mT)
-    scale = strategy.scale(hp_t, -1, dtype)  # (..., K, 1) or 0-d
-    hp_t.mul_(scale)  # the scale of hp_t's own amax: no clamp (`cast_to_float8_data`)
-    scale_t = scale.mT if scale.dim() >= 2 else scale
-    if out is None:
-        columns = hp_t.to(dtype)
-        return (columns.mT, scale_t), (columns,)
-    columns = out[0].mT
-    columns.copy_(hp_t)  # the cast to float8, as `.to(dtype)` rounds
-    # the scale (K floats) is the fresh one: a copy into a kept buffer would be an op more
-    return (out[0], scale_t), ()
+    return recast_operand(weight, plan, cast, context, out)

@@ -23,12 +23,29 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_float8.core.cast_plan import Cast, CastPlan
+from fsdp_float8.core.families import FAMILIES
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import DynamicScaling, amax_to_scale
-from fsdp_float8.formats.operands import AS_IS, CACHED, GatheredOperands, Pair, column_major
+from fsdp_float8.formats.operands import (
+    AS_IS,
+    CACHED,
+    Pair,
+    attach_operands,
+    column_major,
+    read_here,
+    refilled,
+    unsharded,
+)
 
-NEEDS_GLOBAL_AMAX = True
+FAMILY = FAMILIES["tensorwise"]  # its entry in the family table
+# whether a shard's scale needs the whole weight's amax (read through `Family`)
+NEEDS_GLOBAL_AMAX = FAMILY.needs_global_amax
+
+
+def gathered_by(weight: Float8Tensor) -> bool:
+    """Whether this format's all-gather built `weight`: one scale, no blocks."""
+    return weight._block is None and weight._scale.dim() == 0
 
 
 def operand_kind(weight: Float8Tensor, gemm: Gemm, plan: CastPlan) -> str:
@@ -43,44 +60,6 @@ def build_operand(
     """grad_input's operand: the same float8 bytes and scale, column-major."""
     data, new = column_major(weight._data, None if out is None else out[0])
     return (data, weight._scale), new
-
-
-def read_here(scale: torch.Tensor) -> None:
-    """A scale made on FSDP2's all-gather copy-in stream, read on the current stream:
-    without this the caching allocator may hand its memory to the next block's prefetch
-    (on the copy-in stream) before the read has run."""
-    if scale.is_cuda:
-        scale.record_stream(torch.cuda.current_stream(scale.device))
-
-
-def unsharded(out, gathered: torch.Tensor) -> Float8Tensor:
-    """`out` checked as the weight a refill updates: a Float8Tensor whose data views the
-    all-gather output FSDP2 just refilled (its storage, kept across reshard and unshard)."""
-    if not isinstance(out, Float8Tensor):
-        raise TypeError(f"expected the unsharded Float8Tensor as out, got {type(out)}")
-    if out._data.untyped_storage()._cdata != gathered.untyped_storage()._cdata:
-        raise RuntimeError(
-            f"refill of an unsharded float8 weight {tuple(out.shape)} whose data does not "
-            f"view the gathered buffer {tuple(gathered.shape)} FSDP2 refilled: the weight "
-            "would keep stale values. Its data was replaced after the first all-gather; "
-            "leave FSDP2's unsharded parameters as FSDP2 built them"
-        )
-    return out
-
-
-def attach_operands(
-    weight: Float8Tensor, inner: list[torch.Tensor], scales: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Give a freshly built unsharded weight its once-per-unshard operands record; `inner`
-    (the tensors FSDP2 frees and refills) is the list the record extends; `scales`:
-    (scale, 1 / scale) of a tensorwise weight, whose [0] is `weight._scale`."""
-    weight._operands = GatheredOperands(inner, scales=scales)
-    return inner
-
-
-def refilled(out: Float8Tensor) -> None:
-    if out._operands is not None:
-        out._operands.refilled()
 
 
 def pack(

@@ -81,7 +81,7 @@ class Unit:
             return None
         w = self.param
         local = w._local_tensor if isinstance(w, DTensor) else w
-        if isinstance(local, DynamicFloat8Weight) and not local.rowwise:
+        if isinstance(local, DynamicFloat8Weight) and local.needs_global_amax:
             return local
         return None
 

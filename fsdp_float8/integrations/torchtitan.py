@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_float8.core.config import CastConfig, Float8LinearConfig, ScalingType
+from fsdp_float8.core.families import DEFAULT_RECIPE
 from fsdp_float8.core.recipes import names_list
 from fsdp_float8.integrations import check_torchtitan_version
 
@@ -52,7 +53,7 @@ _SCALING_TYPES = ("dynamic", "delayed", "static")
 
 
 def float8_config(
-    recipe_name: str = "tensorwise",
+    recipe_name: str = DEFAULT_RECIPE,
     *,
     enable_fsdp_float8_all_gather: bool = True,
     scaling_type_input: str = "dynamic",
@@ -138,14 +139,15 @@ class Float8Converter(QuantizationConverter):
 
     @dataclass(kw_only=True, slots=True)
     class Config(QuantizationConverter.Config):
-        recipe_name: str = "tensorwise"
-        """tensorwise, rowwise, rowwise_with_gw_hp, blockwise or mxfp8."""
+        # tensorwise, rowwise, rowwise_with_gw_hp, blockwise or mxfp8
+        recipe_name: str = DEFAULT_RECIPE
+        """A recipe name: a value of fsdp_float8.Float8LinearRecipeName."""
         enable_fsdp_float8_all_gather: bool = True
         """FSDP2 all-gathers converted weights in float8 (1 byte per element)."""
         scaling_type_input: str = "dynamic"
         scaling_type_weight: str = "dynamic"
         scaling_type_grad_output: str = "dynamic"
-        """dynamic, delayed or static (tensorwise recipe only)."""
+        """dynamic, delayed or static (delayed and static keep one scale per operand)."""
         static_scale: float | None = None
         """The scale of every operand whose scaling type is static."""
         filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])

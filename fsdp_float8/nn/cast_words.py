@@ -7,15 +7,12 @@ import torch
 
 from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 
-# torchao's short words (`i:dyn_ten_e4m3`), and this package's for what torchao lacks
-_GRANULARITY_WORD = {"tensorwise": "ten", "axiswise": "axs", "blockwise": "blk"}
-
 
 def _short(cfg) -> str:
     """One cast as torchao writes it, scaling_granularity_dtype: dyn_ten_e4m3,
     dis_ten_e4m3, dyn_axs_e4m3; delayed and static are del_ / sta_; a block cast adds its
     block shape (dyn_blk1x128_e4m3) and an e8m0 scale dtype (..._e8m0scale)."""
-    gran = _GRANULARITY_WORD[cfg.scaling_granularity.value]
+    gran = cfg.scaling_granularity.family.short  # torchao's words (ten, axs), and blk
     if cfg.block_shape is not None:
         gran += f"{cfg.block_shape[0]}x{cfg.block_shape[1]}"
     text = f"{cfg.scaling_type.value[:3]}_{gran}_{_dtype_name(cfg.target_dtype)}"

@@ -22,6 +22,13 @@ from torch.distributed.tensor import DTensor
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.config_foreign import as_float8_linear_config
+from fsdp_float8.core.families import (
+    DEFAULT_RECIPE,
+    broadcasting,
+    families_where,
+    recipe_where,
+    scaled_per_row,
+)
 from fsdp_float8.experts import modules as expert_modules
 from fsdp_float8.nn.linear import Float8Linear
 from fsdp_float8.weight_wrappers.wrap import note_replaced
@@ -153,7 +160,8 @@ def _warn_default_skips(report: ConversionReport) -> None:
         f"whose dims are not multiples of 16 (float8 GEMMs need them): {named}. torchao.float8 "
         "would convert them and fail at their first GEMM. To choose yourself pass "
         "module_filter_fn (with emulate=True any dims run); pad_inner_dim=True pads them "
-        "(tensorwise and rowwise); model.float8_conversion_report lists every skip",
+        f"({families_where(broadcasting, 'and')}); model.float8_conversion_report lists "
+        "every skip",
         UserWarning,
         stacklevel=3,
     )
@@ -229,7 +237,8 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) ->
             raise Float8ConfigError(
                 f"{fqn} is an experts module, which a {type(config).__name__} cannot convert "
                 "(no grouped GEMM for it); pass expert_config=Float8LinearConfig."
-                "from_recipe_name('rowwise') (or another float8 recipe) for the experts, or "
+                f"from_recipe_name({recipe_where(scaled_per_row)!r}) (or another float8 "
+                "recipe) for the experts, or "
                 "expert_filter_fn=lambda m, fqn: False to keep them in high precision"
             )
         why = (
@@ -292,7 +301,8 @@ def _refuse_high_precision_config(config: Float8LinearConfig) -> None:
         raise Float8ConfigError(
             "every cast of this Float8LinearConfig is disabled, so no GEMM would run in "
             "float8 while the layers would be reported as converted; enable at least one "
-            "cast (e.g. Float8LinearConfig.from_recipe_name('tensorwise')) or do not convert"
+            f"cast (e.g. Float8LinearConfig.from_recipe_name({DEFAULT_RECIPE!r})) or do not "
+            "convert"
         )
 
 

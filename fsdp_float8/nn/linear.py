@@ -14,8 +14,8 @@ forward's input cast as it is (tensorwise: the same scale and bytes), else in hi
 precision, or its grad_weight cast with `save_input_in_float8=True`.
 
 Compiled, a dynamic tensorwise layer with a plain weight (no float8 all-gather) casts its
-input and weight as one (`formats.tensorwise.joint_cast`: one amax reduction and one cast
-pass for both, three GPU kernels instead of six); backward then takes the weight's float8
+input and weight as one (its family's `joint_cast`: one amax reduction and one cast pass
+for both, three GPU kernels instead of six); backward then takes the weight's float8
 column-major copy from the forward instead of casting the weight again, so it keeps
 N x K bytes more (the weight in float8) until the layer's backward.
 """
@@ -44,8 +44,7 @@ from fsdp_float8.core.gemms import (
     refuse_double_backward,
 )
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
-from fsdp_float8.formats.tensorwise import JointCast, joint_cast, joint_columns
-from fsdp_float8.formats.weight_operands import weight_for
+from fsdp_float8.formats.weight_operands import joint_place, weight_for
 from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
 from fsdp_float8.weight_wrappers.wrap import wrap_weight
@@ -139,6 +138,12 @@ def _joint(x2: torch.Tensor, weight: torch.Tensor, plan: CastPlan) -> bool:
     )
 
 
+def joint_cast(x2: torch.Tensor, weight: torch.Tensor, plan: CastPlan):
+    """The output GEMM's input and weight cast as one, by their family's place (its
+    `JointCast`)."""
+    return joint_place(plan).joint_cast(x2, weight, plan)
+
+
 def _weight_for(weight, gemm: Gemm, plan: CastPlan, states: dict) -> Pair:
     return weight_for(weight, gemm, plan, cast_operand, states)
 
@@ -149,7 +154,7 @@ class _Float8LinearFn(torch.autograd.Function):
         x_fp8: Pair
         saved_x: Pair
         record, x_inv = None, None
-        joint: JointCast | None = None
+        joint = None  # the place's `JointCast`
         if isinstance(x, Float8Tensor):  # pre-cast (tensor parallel's float8 all-gather)
             x_fp8 = saved_x = (x._data.reshape(-1, x.shape[-1]), x._scale)
         else:
@@ -193,9 +198,9 @@ class _Float8LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_data, x_saved_scale, weight, x_scale, w_scale, x_inv = ctx.saved_tensors
         w_col = None
-        if ctx.joint:  # x_data is `JointCast.columns`: both operands column-major
+        if ctx.joint:  # x_data is the joint cast's columns: both operands column-major
             tokens = grad_out.numel() // grad_out.shape[-1]
-            x_data, w_col = joint_columns(x_data, tokens, weight.shape[1])
+            x_data, w_col = joint_place(ctx.plan).joint_columns(x_data, tokens, weight.shape[1])
         refuse_double_backward("Float8Linear", weight.shape)
         plan, states = ctx.plan, ctx.states
         record, ctx.record = ctx.record, None  # held until the last reader's backward
@@ -379,8 +384,9 @@ def _local_parameters(module: Float8Linear, x: torch.Tensor):
         raise TypeError(
             f"this Float8Linear's weight is a DTensor {weight.placements} but the layer "
             "was not parallelized with fsdp_float8's styles; use "
-            "fsdp_float8.tensor_parallel.styles.Float8ColwiseParallel / Float8RowwiseParallel in "
-            "the parallelize_module plan (torch's ColwiseParallel would run it on DTensors)"
+            "the float8 styles of fsdp_float8.tensor_parallel.styles (Float8ColwiseParallel and "
+            "its row-parallel counterpart) in the parallelize_module plan (torch's "
+            "ColwiseParallel would run it on DTensors)"
         )
     if isinstance(x, DTensor):
         raise TypeError(

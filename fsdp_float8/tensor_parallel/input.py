@@ -28,11 +28,14 @@ from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from fsdp_float8.core._compat import all_gather_single
 from fsdp_float8.core.cast_plan import CastPlan
+from fsdp_float8.core.families import granularities_where, one_scale, recipes_where
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import DynamicScaling, cast_to_float8_data
 from fsdp_float8.nn.linear import Float8Linear
 from fsdp_float8.tensor_parallel.styles import check_tp_config
+
+_ONE = granularities_where(one_scale)  # the input cast this style gathers: one scale
 
 
 class _Float8SPAllGather(torch.autograd.Function):
@@ -177,10 +180,10 @@ def _input_cast(module: nn.Module, float8_dtype: torch.dtype, fqn: str | None):
             strategy = strategy.reduced_over(None)
         if strategy is None or not _input_cast_shared(m.plan) or dtype != float8_dtype:
             raise ValueError(
-                f"PrepareFloat8ModuleInput casts tensorwise to {float8_dtype}, but {name} "
+                f"PrepareFloat8ModuleInput casts {_ONE} to {float8_dtype}, but {name} "
                 f"casts its input as {m.extra_repr()}; float8 all-gather of activations "
-                "needs a tensorwise input cast shared by both GEMMs in that dtype (the "
-                "'tensorwise' recipe): use PrepareModuleInput for other recipes"
+                f"needs a {_ONE} input cast shared by both GEMMs in that dtype (the "
+                f"{recipes_where(one_scale)} recipe): use PrepareModuleInput for other recipes"
             )
         casts[name] = (strategy, m.config.emulate)
     if len(set(casts.values())) > 1:

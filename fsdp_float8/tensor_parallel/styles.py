@@ -72,13 +72,19 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdp_float8.core.cast_plan import CastPlan, block_cast
+from fsdp_float8.core.families import (
+    DEFAULT_RECIPE,
+    broadcasting,
+    families_where,
+    one_scale,
+    recipes_where,
+)
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import (
     DelayedScaling,
     DynamicScaling,
     StaticScaling,
-    Tensorwise,
 )
 from fsdp_float8.nn.linear import Float8Linear
 from fsdp_float8.weight_wrappers.base import plain_weight
@@ -106,7 +112,7 @@ class TensorParallelLayout:
         dim = self.sharded_dim(operand)
         if dim is None or isinstance(strategy, StaticScaling):
             return False
-        if isinstance(strategy.granularity, Tensorwise):
+        if one_scale(strategy.granularity.family):
             return True
         return CONTRACTION_DIM[(gemm, operand)] % 2 == dim
 
@@ -136,16 +142,16 @@ def check_tp_config(module: nn.Module, fqn_hint: str = "") -> Float8Linear:
         raise ValueError(
             f"delayed scaling under tensor parallelism is not supported{fqn_hint}: before the "
             "first sync each TP rank would scale its shard by its own amax, not the tensor's. "
-            "Use dynamic scaling (e.g. Float8LinearConfig.from_recipe_name('tensorwise')) or "
+            f"Use dynamic scaling (e.g. Float8LinearConfig.from_recipe_name({DEFAULT_RECIPE!r})) or "
             "static scaling for tensor-parallel layers"
         )
     blocked = block_cast(module.plan.strategies)
     if blocked is not None:
         raise ValueError(
-            f"float8 tensor parallelism supports tensorwise and rowwise (axiswise) "
-            f"scales, got {type(blocked[2]).__name__}{fqn_hint}; use the 'tensorwise' or "
-            "'rowwise' recipe for tensor-parallel layers, or keep this layer out of the "
-            "TP plan"
+            f"float8 tensor parallelism supports {families_where(broadcasting, 'and')} "
+            f"scales, got {type(blocked[2]).__name__}{fqn_hint}; use the "
+            f"{recipes_where(broadcasting)} recipe for tensor-parallel layers, or keep this "
+            "layer out of the TP plan"
         )
     return module
 
@@ -264,7 +270,7 @@ def _check_precast(mod: Float8Linear, x: DTensor) -> None:
     if got != want or not mod.plan.shares_cast(Operand.INPUT, Gemm.OUTPUT, Gemm.GRAD_WEIGHT):
         raise TypeError(
             f"this colwise Float8Linear casts its input as {mod.extra_repr()}, but got a "
-            f"{got} tensorwise float8 input from PrepareFloat8ModuleInput; give that style "
+            f"{got} one-scale float8 input from PrepareFloat8ModuleInput; give that style "
             "the layer's float8_dtype, or use PrepareModuleInput (high-precision gather)"
         )
 

@@ -30,10 +30,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
 from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.families import one_scale, recipes_where
 from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
-from fsdp_float8.formats import rowwise, tensorwise
 from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.state import WeightState, written_args
 
@@ -213,9 +213,14 @@ class Float8WeightWrapper(torch.Tensor):
         return self._cast.strategy
 
     @property
-    def rowwise(self) -> bool:
+    def per_row(self) -> bool:
         """Per-output-row scales: local to each dim-0 shard, gathered with the data."""
-        return self._cast.rowwise
+        return self._cast.per_row
+
+    @property
+    def needs_global_amax(self) -> bool:
+        """The shard's scale comes from the whole weight's amax (its format family's)."""
+        return self._cast.needs_global_amax
 
     def needs_refresh(self) -> bool:
         """Whether the float8 step has a scale to compute for this weight (host state)."""
@@ -225,7 +230,7 @@ class Float8WeightWrapper(torch.Tensor):
     def needs_row_shards(self) -> bool:
         """Whether each shard must hold whole rows (per-row, block or tile scales are cut
         along dim 0): true for every format but a tensorwise scale, which covers any cut."""
-        return self.rowwise
+        return self.per_row
 
     # the one hook pair: a subclass says how its shard is packed (`pack_shard`); the metadata
     # record it returns says how the gathered outputs become the unsharded weight
@@ -260,8 +265,9 @@ class Float8WeightWrapper(torch.Tensor):
         emulate, shards = self._cast.emulate, mesh.size()
         # a dynamic scale's amax covers the shard (its own, or the whole weight's)
         saturate = not self.strategy.own_amax
-        if self.rowwise:
-            rowwise.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
+        place = self._cast.place
+        if self.per_row:
+            place.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
             group = shard_group(sharded, (self.ROW_SCALE_DIM,), None)
             # the scale comes from the shard's values alone (no collective, so ranks cannot
             # disagree on whether to run one): the pack is reusable while they stand
@@ -273,7 +279,7 @@ class Float8WeightWrapper(torch.Tensor):
             data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
             mid = tuple(outer_size[1:-1])
-            packed = rowwise.RowwiseGather.pack(data, scale, emulate, mid, shards=shards)
+            packed = place.pack(data, scale, emulate, mid, shards=shards)
         else:
             scale = self.float8_scale(shard_group(sharded, None, mesh))
             # the float8 step's stamp (fresh: a new tensor per refresh, written by nothing):
@@ -284,7 +290,7 @@ class Float8WeightWrapper(torch.Tensor):
             if reusable and (packed := self._state.packed_for(key)) is not None:
                 return packed
             data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
-            packed = tensorwise.pack(data, scale, outer_size, shards, emulate, inverse)
+            packed = place.pack(data, scale, outer_size, shards, emulate, inverse)
         if reusable:  # backward's re-gather and the next micro-batch's reuse it
             self._state.remember_pack(key, packed)
         return packed
@@ -315,7 +321,7 @@ def _refuse_shards_across_rows(shard: Float8WeightWrapper, outer_size, module) -
             f"shard_placement_fn=...)) is not supported by its format "
             f"({type(shard).__name__}): its scales follow the rows, so each rank must hold "
             "whole rows (Shard(0), FSDP2's default). Return Shard(0) for this weight from "
-            "shard_placement_fn (or drop it), use a tensorwise recipe, or set "
+            f"shard_placement_fn (or drop it), use the {recipes_where(one_scale)} recipe, or set "
             "enable_fsdp_float8_all_gather=False (gathered in high precision, cast after)"
         )
 

@@ -2,7 +2,8 @@
 
 A weight wrapper is built from a `Float8LinearConfig`, but its all-gather hooks run every
 step: they read this frozen record (the weight's scaling strategy, float8 dtype, whether
-the scales are per row, emulation, a static scale) and never look anything up in the config.
+the scales are per row, whether its shard's scale needs the whole weight's amax, its
+format's place, emulation, a static scale) and never look anything up in the config.
 The config stays in the record only as the wrapper's serialized form (pickling,
 `__tensor_flatten__`), from which the record is resolved again.
 """
@@ -10,12 +11,15 @@ The config stays in the record only as the wrapper's serialized form (pickling,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from fsdp_float8.core.config import Float8LinearConfig, ScalingGranularity
+from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.families import Family
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import DelayedScaling, DynamicScaling, ScalingStrategy
+from fsdp_float8.formats.weight_operands import place_of
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,7 +27,7 @@ class WeightCast:
     config: Float8LinearConfig  # the serialized form; the hooks read the fields below
     strategy: ScalingStrategy
     float8_dtype: torch.dtype
-    rowwise: bool  # per-output-row scales: local to each dim-0 shard, gathered with the data
+    family: Family  # its format family: what the float8 step and the hooks ask
     power_of_2: bool  # scales rounded down to a power of two (the strategy's rule)
     emulate: bool
     static_scale: float | None
@@ -42,9 +46,24 @@ class WeightCast:
             config=config,
             strategy=strategy,
             float8_dtype=config.float8_dtype(Operand.WEIGHT, Gemm.OUTPUT),
-            rowwise=cast.scaling_granularity is ScalingGranularity.AXISWISE,
+            family=cast.scaling_granularity.family,
             power_of_2=isinstance(strategy, DynamicScaling | DelayedScaling)
             and strategy.power_of_2,
             emulate=config.emulate,
             static_scale=cast.static_scale,
         )
+
+    @property
+    def per_row(self) -> bool:
+        """Per-output-row scales: local to each dim-0 shard, gathered with the data."""
+        return self.family.per_row
+
+    @property
+    def needs_global_amax(self) -> bool:
+        """The shard's scale comes from the whole weight's amax."""
+        return self.family.needs_global_amax
+
+    @property
+    def place(self) -> ModuleType:
+        """The format's place: how a shard is packed (`weight_wrappers.base`)."""
+        return place_of(self.family)

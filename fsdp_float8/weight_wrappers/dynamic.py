@@ -34,7 +34,7 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         self.stamp_scale(scale, inverse)
 
     def needs_refresh(self) -> bool:
-        return not self.rowwise and not self.has_fresh_precomputed_scale()
+        return self.needs_global_amax and not self.has_fresh_precomputed_scale()
 
     def has_fresh_precomputed_scale(self) -> bool:
         """True while the scale stored by the last precompute matches the current values
@@ -42,7 +42,7 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         return self.fresh_stamped_scale() is not None
 
     def float8_scale(self, mesh) -> torch.Tensor:
-        if not self.rowwise:
+        if self.needs_global_amax:
             precomputed = self.fresh_stamped_scale()
             if precomputed is not None:
                 return precomputed

@@ -36,6 +36,7 @@ import torch
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
 from fsdp_float8.core.blocks import Block, scale_shape
+from fsdp_float8.core.families import Family, register
 from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import Gemm
 from fsdp_float8.core.scaling import tensor_amax
@@ -112,6 +113,24 @@ def _whole(t: NVFP4Weight, size, stride, storage_offset=0) -> bool:
     return list(size) == list(t.shape) and list(stride) == list(t.stride()) and not storage_offset
 
 
+# the 4-bit family in the family table: one tensor-wide amax (refreshed by the float8 step)
+# over 16x16 tiles of e4m3 scales; its place is core/nvfp4.py, this wrapper and its layer
+FAMILY = register(
+    Family(
+        "nvfp4",
+        None,
+        (),
+        "fp4",
+        needs_global_amax=True,
+        per_row=False,
+        broadcast_scales=False,
+        saves_float8_input=False,
+        all_gather_rule=None,
+        place="fsdp_float8.core.nvfp4",
+    )
+)
+
+
 def nvfp4_cast(config) -> WeightCast:
     """What the float8 step reads of an NVFP4 weight: a dynamic weight with a tensor-wide
     amax (refreshed in the step's collective), never per row."""
@@ -119,7 +138,7 @@ def nvfp4_cast(config) -> WeightCast:
         config=config,
         strategy=None,  # type: ignore[arg-type]  # the hooks below never ask for one
         float8_dtype=nvfp4.E4M3,
-        rowwise=False,
+        family=FAMILY,
         power_of_2=False,
         emulate=True,
         static_scale=None,

@@ -16,7 +16,6 @@ from torch import nn
 from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.core.scaling import (
-    Blockwise,
     DelayedScaling,
     DynamicScaling,
     ScalingStrategy,
@@ -32,7 +31,7 @@ from fsdp_float8.weight_wrappers.static import StaticFloat8Weight
 def wrapper_class(strategy: ScalingStrategy) -> type[Float8WeightWrapper]:
     """The wrapper whose all-gather casts as `strategy` says: its type picks where the scale
     comes from (block scales: from the shard's own blocks, no collective)."""
-    if isinstance(strategy.granularity, Blockwise):
+    if not strategy.granularity.broadcast_scales:
         return BlockFloat8Weight
     return _WRAPPERS[type(strategy)]
 
