@@ -140,6 +140,9 @@ class TensorwiseGather:
         refilled(out)
 
 
+_MAX_GROUPS = 8192  # see `joint_cast`
+
+
 @dataclass(frozen=True)
 class JointCast:
     """The output GEMM's input and weight cast together (`joint_cast`): `x` and `w` are
@@ -162,7 +165,7 @@ def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     """The output GEMM's two dynamic tensorwise casts, of input `x` (M, K) and weight `w`
     (N, K), as one (`CastPlan.joint_output_cast` says when a plan allows it): the rows of
     both stacked (they share K), one row-amax reduction, both scales from it, one cast pass
-    writing the stacked rows in both layouts. The same bytes and scales as separate casts
+    writing the stacked rows. The same bytes and scales as separate casts
     (a max is exact; each row is multiplied by its own tensor's scale, with no clamp, as
     `cast_to_float8_data` with `saturate=False`). Compiled, that is three kernels where
     separate casts take six, and backward re-casts no weight.
@@ -176,15 +179,24 @@ def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     assert isinstance(x_strategy, DynamicScaling) and isinstance(w_strategy, DynamicScaling)
     dtype = plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
     both = torch.cat([x.detach(), w.detach()])
-    rows = both.abs().amax(dim=1)  # in the operands' dtype: exact
-    is_x = torch.arange(m + n, device=both.device) < m
-    zero = rows.new_zeros(())
+    # the amax of each group of g rows (g divides M and N: no group mixes the two), in the
+    # operands' dtype (exact); then one reduction per operand over the groups. g is the
+    # least power of 2 that leaves at most 8,192 groups: Inductor lowers a max over that
+    # many values as one kernel (over more, as two), and over fewer groups the first
+    # reduction has fewer rows to spread over the GPU
+    g = 1
+    while (m + n) // g > _MAX_GROUPS and m % (2 * g) == 0 and n % (2 * g) == 0:
+        g *= 2
+    groups = both.view((m + n) // g, g * k).abs().amax(dim=1)
+    x_groups = torch.arange((m + n) // g, device=both.device) < m // g
+    zero = groups.new_zeros(())
     x_scale = amax_to_scale(
-        torch.where(is_x, rows, zero).amax(), dtype, power_of_2=x_strategy.power_of_2
+        torch.where(x_groups, groups, zero).amax(), dtype, power_of_2=x_strategy.power_of_2
     )
     w_scale = amax_to_scale(
-        torch.where(is_x, zero, rows).amax(), dtype, power_of_2=w_strategy.power_of_2
+        torch.where(x_groups, zero, groups).amax(), dtype, power_of_2=w_strategy.power_of_2
     )
+    is_x = torch.arange(m + n, device=both.device) < m
     scaled = both * torch.where(is_x, x_scale, w_scale).unsqueeze(1)
     # as_strided: compiled, the buffer is written once and its readers read it in place (a
     # slice of a value not yet written would be computed again for each reader)

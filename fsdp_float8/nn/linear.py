@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -126,16 +127,18 @@ def _gemm(
 def _joint(x2: torch.Tensor, weight: torch.Tensor, plan: CastPlan) -> bool:
     """Whether the output GEMM's input and weight casts run as one (`joint_cast`): in a
     compiled graph (eager, the stacked copy would cost a pass of its own), for a plain
-    high-precision weight (not a gathered one) of the input's dtype."""
+    high-precision weight (not a gathered one) of the input's dtype, with static shapes
+    whose dims are multiples of 16."""
     return (
         torch.compiler.is_compiling()
         and plan.joint_output_cast()
         and not isinstance(weight, (Float8Tensor, Float8WeightWrapper))
         and x2.dtype == weight.dtype
         and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and x2.shape[0] > 0
-        and x2.shape[0] % 16 == 0
-        and weight.shape[0] % 16 == 0
+        # static shapes only (known without a guard): at a dynamic-shape recompile torch
+        # 2.11's Dynamo fails on views at symbolic offsets (separate casts: the same bytes)
+        and statically_known_true(x2.shape[0] > 0)
+        and all(statically_known_true(d % 16 == 0) for d in (*x2.shape, *weight.shape))
     )
 
 
