@@ -88,16 +88,17 @@ def pack(
     outer_size,
     shards: int,
     emulate: bool,
-    inverse: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], TensorwiseGather]:
-    """The float8 shard as one `uint8` input, padded to the padded shard size. `inverse`:
-    `1 / scale` when the caller has it (the float8 step's refresh computes all at once)."""
+    """The float8 shard as one `uint8` input, padded to the padded shard size. `scales`:
+    (scale, 1 / scale) as one 2-element tensor whose [0] is `scale`, when the caller has
+    it (the float8 step's refresh stamps it, all inverses in one op)."""
     data_bytes = data.view(torch.uint8)
     padded_rows = math.ceil(outer_size[0] / shards)
     if data_bytes.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
         padding = [0, 0] * (data_bytes.dim() - 1) + [0, padded_rows - data_bytes.shape[0]]
         data_bytes = F.pad(data_bytes, padding)
-    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, inverse)
+    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, scales)
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,13 +106,17 @@ class TensorwiseGather:
     scale: torch.Tensor  # 0-d float32, the same on every rank
     float8_dtype: torch.dtype
     emulate: bool
-    inverse: torch.Tensor | None = None  # 1 / scale, when known already
+    scales: torch.Tensor | None = None  # (scale, 1 / scale), when known already
 
     def _scales(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """(scale, 1 / scale) as one tensor: a fresh one, or written into `out`."""
+        known = self.scales
+        if known is not None:  # one op: a copy of the stamp's pair
+            if known.is_cuda:
+                read_here(known)
+            return known.clone() if out is None else out.copy_(known)
         read_here(self.scale)
-        inverse = self.scale.reciprocal() if self.inverse is None else self.inverse
-        read_here(inverse)
+        inverse = self.scale.reciprocal()
         if out is None:
             return torch.stack((self.scale, inverse))
         return torch.stack((self.scale, inverse), out=out)
@@ -132,7 +137,8 @@ class TensorwiseGather:
         record = out._operands
         if record is not None and record.scales is not None:
             self._scales(out=record.scales)  # `out._scale` views its [0]
-        else:
-            read_here(self.scale)
-            out._scale.copy_(self.scale)
+            record.refilled()
+            return
+        read_here(self.scale)
+        out._scale.copy_(self.scale)
         refilled(out)

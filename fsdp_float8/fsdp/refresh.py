@@ -183,21 +183,21 @@ def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.
     once per (rule, float8 dtype, power-of-two rule) over all its weights."""
     by_rule: dict[tuple, list[tuple[int, DynamicFloat8Weight]]] = {}
     for i, w in weights:
-        cls = type(w)
-        rule = (
-            cls.stamps_from_amaxes,
-            cls.STAMPS_INVERSE,
-            w.float8_dtype,
-            w.weight_cast.power_of_2,
-        )
+        cls, cast = type(w), w._cast
+        rule = (cls.stamps_from_amaxes, cls.STAMPS_INVERSE, cast.float8_dtype, cast.power_of_2)
         by_rule.setdefault(rule, []).append((i, w))
     for (stamps_from, with_inverse, dtype, pow2), members in by_rule.items():
         index = torch.tensor([i for i, _ in members], device=amaxes.device)
         stamps = stamps_from(amaxes[index], dtype, pow2)
-        # the GEMMs multiply by 1 / scale: one op here, none per GEMM
-        inverses = stamps.reciprocal().unbind() if with_inverse else (None,) * len(members)
-        for (_, w), stamp, inverse in zip(members, stamps.unbind(), inverses, strict=True):
-            w.set_precomputed_scale(stamp, inverse)
+        if not with_inverse:
+            for (_, w), stamp in zip(members, stamps.unbind(), strict=True):
+                w.set_precomputed_scale(stamp)
+            continue
+        # the GEMMs multiply by 1 / scale: one op here, none per GEMM. Each weight's stamp
+        # is one row (scale, 1 / scale): the one record of both, from here to the GEMM
+        pairs = torch.stack((stamps, stamps.reciprocal()), dim=1).unbind()
+        for (_, w), pair in zip(members, pairs, strict=True):
+            w.set_precomputed_scale(pair[0], pair)
 
 
 def _agree(units: list[Unit], group: Group, at: str | None) -> None:

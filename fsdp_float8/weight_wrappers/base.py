@@ -174,10 +174,10 @@ class Float8WeightWrapper(torch.Tensor):
         value-dependent state belongs in the shared `WeightState`)."""
 
     # -- scales computed from the current values ---------------------------------------
-    def stamp_scale(self, scale: torch.Tensor, inverse: torch.Tensor | None = None) -> None:
-        """Remember `scale` (and `1 / scale`, when known) as computed from the weight's
-        current values."""
-        self._state.stamp_scale(scale, inverse)
+    def stamp_scale(self, scale: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Remember `scale` as computed from the weight's current values; `scales`, when
+        known: (scale, 1 / scale) as one 2-element tensor whose [0] is `scale`."""
+        self._state.stamp_scale(scale, scales)
 
     def fresh_stamped_scale(self) -> torch.Tensor | None:
         """The stamped scale while the weight is unchanged since, else None (no sync)."""
@@ -225,11 +225,16 @@ class Float8WeightWrapper(torch.Tensor):
     def needs_row_shards(self) -> bool:
         """Whether each shard must hold whole rows (per-row, block or tile scales are cut
         along dim 0): true for every format but a tensorwise scale, which covers any cut."""
-        return self.rowwise
+        return self._cast.rowwise
 
     # the one hook pair: a subclass says how its shard is packed (`pack_shard`); the metadata
     # record it returns says how the gathered outputs become the unsharded weight
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        # the pack of the last unshard while values and stamp stand (backward's re-gather,
+        # the next micro-batch): made under the same key, so it passed the checks below
+        packed = self._state.packed_for((mesh, tuple(outer_size), self.shape))
+        if packed is not None:
+            return packed
         _refuse_cpu_offload(self, module)
         if self.needs_row_shards:
             _refuse_shards_across_rows(self, outer_size, module)
@@ -253,40 +258,44 @@ class Float8WeightWrapper(torch.Tensor):
 
     def pack_shard(self, mesh, outer_size, module):
         """(all-gather inputs, metadata) of this shard: tensorwise or rowwise float8 here;
-        other formats (block scales, 4-bit) pack their own."""
+        other formats (block scales, 4-bit) pack their own. A pack made from values and a
+        stamp that stand until the next write is kept (`remember_pack`) for the next
+        unshard, which `fsdp_pre_all_gather` answers with it."""
         # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
         # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
         sharded = getattr(module, self.param_name, None)
-        emulate, shards = self._cast.emulate, mesh.size()
+        cast = self._cast
+        emulate, shards, dtype = cast.emulate, mesh.size(), cast.float8_dtype
         # a dynamic scale's amax covers the shard (its own, or the whole weight's)
-        saturate = not self.strategy.own_amax
-        if self.rowwise:
+        saturate = not cast.strategy.own_amax
+        if cast.rowwise:
             rowwise.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
             group = shard_group(sharded, (self.ROW_SCALE_DIM,), None)
             # the scale comes from the shard's values alone (no collective, so ranks cannot
             # disagree on whether to run one): the pack is reusable while they stand
-            key = (mesh, tuple(outer_size), "rows")
-            reusable = group is None and self.strategy.own_amax
-            if reusable and (packed := self._state.packed_for(key)) is not None:
-                return packed
+            reusable = group is None and cast.strategy.own_amax
             scale = self.float8_scale(group)
-            data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
+            data = cast_to_float8_data(self._tensor, scale, dtype, saturate=saturate)
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
             mid = tuple(outer_size[1:-1])
             packed = rowwise.RowwiseGather.pack(data, scale, emulate, mid, shards=shards)
         else:
             scale = self.float8_scale(shard_group(sharded, None, mesh))
-            # the float8 step's stamp (fresh: a new tensor per refresh, written by nothing):
-            # the pack is reusable while the values and the stamp stand
-            inverse = self._state.inverse_of(scale)
-            key = (mesh, tuple(outer_size), scale, scale._version)
-            reusable = inverse is not None
-            if reusable and (packed := self._state.packed_for(key)) is not None:
-                return packed
-            data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
-            packed = tensorwise.pack(data, scale, outer_size, shards, emulate, inverse)
+            # the float8 step's stamp (fresh: a new tensor per refresh, written by nothing)
+            # with its inverse: the pack is reusable while the values and the stamp stand
+            scales = self._state.stamped_scales(scale)
+            reusable = scales is not None
+            data = cast_to_float8_data(self._tensor, scale, dtype, saturate=saturate)
+            packed = tensorwise.pack(data, scale, outer_size, shards, emulate, scales)
         if reusable:  # backward's re-gather and the next micro-batch's reuse it
-            self._state.remember_pack(key, packed)
+            self._state.remember_pack((mesh, tuple(outer_size), self.shape), packed)
+        return packed
+
+    def keep_stamped_pack(self, packed, scale: torch.Tensor, mesh, outer_size):
+        """`packed` kept for the next unshard when `scale` is the float8 step's stamp (made
+        from the values that stand until the next write), as `pack_shard` keeps its own."""
+        if scale is self._state.fresh_scale():
+            self._state.remember_pack((mesh, tuple(outer_size), self.shape), packed)
         return packed
 
 

@@ -148,8 +148,10 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         q = nvfp4.quantize(self._tensor, amax, TILE)
         tiles = q.block_inv_scale.view(torch.uint8)
         if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
-            return (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
-        return (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
+            packed = (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
+        else:
+            packed = (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
+        return self.keep_stamped_pack(packed, amax, mesh, outer_size)  # backward reuses it
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
