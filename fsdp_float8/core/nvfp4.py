@@ -343,7 +343,9 @@ def transposed(q: NVFP4) -> NVFP4:
 
 
 def _check_mm(a: NVFP4, b: NVFP4) -> None:
-    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+    # on the packed shapes (no `shape` call per GEMM): the same K <=> the same packed K
+    pa, pb = a.packed.shape, b.packed.shape
+    if len(pa) != 2 or len(pb) != 2 or pa[1] != pb[1]:
         raise ValueError(
             f"an NVFP4 GEMM takes a (M, K) and b (N, K) with the same K, got {tuple(a.shape)} "
             f"and {tuple(b.shape)}; quantize the right operand transposed"

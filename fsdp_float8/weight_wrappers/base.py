@@ -22,6 +22,7 @@ which says why the inner tensor's `_version` cannot serve).
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -140,20 +141,27 @@ class Float8WeightWrapper(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # every in-place op of the optimizer step comes here: no Python call per tensor
+        # where a C one does (`_inner`), no call for what does not apply
         kwargs = kwargs or {}
-        wrappers = [a for a in _flat(args, kwargs) if isinstance(a, Float8WeightWrapper)]
+        wrappers = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Float8WeightWrapper)]
         first = wrappers[0]
         written = _written_wrappers(func, args, kwargs)
-        inherited = _scale_kept_by_copy(func, args, written)
+        inherited = _scale_kept_by_copy(func, args, written) if func is _COPY else None
         for w in written:
             w._state.bump()
         if inherited is not None:
             written[0]._state.stamp_scale(inherited)
-        unwrapped = tree_map_only(Float8WeightWrapper, lambda w: w._tensor, (args, kwargs))
+        unwrapped = tree_map_only(Float8WeightWrapper, _inner, (args, kwargs))
         out = func(*unwrapped[0], **unwrapped[1])
         if func in PRESERVE_WRAPPER:
             with normal_outputs(args, kwargs):  # a view of a normal tensor is normal
                 return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
+        if out is None or isinstance(out, torch.Tensor):  # none or one output: no tree walk
+            for w in wrappers:
+                if w._tensor is out:
+                    return w
+            return out
         inner_to_wrapper = {id(w._tensor): w for w in wrappers}
         return tree_map_only(torch.Tensor, lambda t: inner_to_wrapper.get(id(t), t), out)
 
@@ -329,8 +337,8 @@ def _refuse_shards_across_rows(shard: Float8WeightWrapper, outer_size, module) -
         )
 
 
-def _flat(args, kwargs):
-    return tree_leaves((args, kwargs))
+_COPY = aten.copy_.default
+_inner = operator.attrgetter("_tensor")  # a wrapper's inner tensor (C: no Python call)
 
 
 def _scale_kept_by_copy(func, args, written) -> torch.Tensor | None:

@@ -28,7 +28,9 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         (one vector op per class and rule): their precomputed scales."""
         return scale_from_amax(amaxes, float8_dtype, power_of_2=power_of_2)
 
-    def set_precomputed_scale(self, scale: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+    def set_precomputed_scale(
+        self, scale: torch.Tensor, scales: torch.Tensor | None = None
+    ) -> None:
         """Store the next all-gather's scale; `scales`: (scale, 1 / scale) as one 2-element
         tensor whose [0] is `scale` (the refresh computes all inverses in one op)."""
         self._state.stamp_scale(scale, scales)

@@ -177,9 +177,10 @@ class NVFP4Gather:
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
         packed = outputs[0]
-        if not isinstance(out, NVFP4Weight) or not _same_storage(out.packed, packed):
+        record = out.record if isinstance(out, NVFP4Weight) else None  # its fields: no calls
+        if record is None or not _same_storage(record.packed, packed):
             raise TypeError(f"expected the unsharded NVFP4Weight over {tuple(packed.shape)}")
-        out.tensor_inv.copy_(self.tensor_inv)
+        record.tensor_inv_scale.copy_(self.tensor_inv)
         if self.local_tiles is not None:
             out.tiles.view(torch.uint8).copy_(self.local_tiles)
 
