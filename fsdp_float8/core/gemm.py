@@ -66,7 +66,8 @@ def _gemm_scales(
     of an expanded one)."""
     if a_scale.numel() == 1 and b_scale.numel() == 1:
         return a_scale.reshape(()).reciprocal(), b_scale.reshape(()).reciprocal()
-    check_gemm_scales("scaled_mm", a_scale, (m, 1), b_scale, (1, n))
+    if a_scale.shape not in ((), (m, 1)) or b_scale.shape not in ((), (1, n)):
+        check_gemm_scales("scaled_mm", a_scale, (m, 1), b_scale, (1, n))  # it raises
     inv_a = a_scale.reshape(-1, 1).expand(m, 1).reciprocal()
     inv_b = b_scale.reshape(1, -1).expand(1, n).reciprocal()
     return inv_a, inv_b
@@ -191,7 +192,8 @@ def scaled_mm_data(
         out = (a_data.to(torch.float32) * inv_a) @ (b_data.to(torch.float32) * inv_b)
         out = out.to(out_dtype)
     else:
-        if inv_a.dim() > 0:  # tensorwise GEMMs: nothing to refuse
+        # nothing to refuse: a tensorwise GEMM, or a CPU one outside `cuda_gemm_rules_on_cpu`
+        if inv_a.dim() > 0 and (a_data.is_cuda or _CUDA_RULES_ON_CPU):
             check_gemm_supported(a_data.device.type, rowwise=True, out_dtype=out_dtype)
         if a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
             out = cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)

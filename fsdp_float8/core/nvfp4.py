@@ -437,10 +437,10 @@ def nvfp4_mm(
     """`emulated_mm`'s product. On CUDA SM100+ one cuBLAS FP4 GEMM (`F.scaled_mm`, scales
     [BlockWise1x16, TensorWise] per operand); on CPU (which has no FP4 GEMM) and with
     `emulate`, the emulated GEMM; on a CUDA device below SM100 a ValueError."""
-    _check_mm(a, b)
     device = a.packed.device
     if emulate or device.type != "cuda":
-        return emulated_mm(a, b, out_dtype)
+        return emulated_mm(a, b, out_dtype)  # which checks the operands
+    _check_mm(a, b)
     check_nvfp4_gemm_device(device, emulate=False)
     (data_a, scales_a), (data_b, scales_b) = _cuda_operand(a), _cuda_operand(b)
     st, sw = F.ScalingType, F.SwizzleType

@@ -54,7 +54,7 @@ def amax_to_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool = False
 ) -> torch.Tensor:
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
-    fmax = float8_max(float8_dtype)
+    fmax = float(torch.finfo(float8_dtype).max)  # `float8_max`, inline: once per cast
     floor = fmax / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
@@ -62,8 +62,8 @@ def amax_to_scale(
     else:  # traced (fused either way): no tensor constant in the graph
         amax64 = amax.to(torch.float64).clamp(min=floor)
     scale = (fmax / amax64).to(torch.float32)  # `fmax / t` is t.reciprocal() * fmax
-    if power_of_2:
-        scale = round_down_to_power_of_2(scale)
+    if power_of_2:  # `round_down_to_power_of_2`, inline: once per cast
+        scale = (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
     return scale
 
 

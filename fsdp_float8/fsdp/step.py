@@ -250,8 +250,9 @@ def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
     structures = [step.structure() for step in steps]
     due: set[int] = set()
     for step, structure in zip(steps, structures, strict=True):
-        step_due = _delayed_due(step, mode) if structure.delayed else False
-        due.update([id(s) for s in structure.delayed if step_due or s.unseeded])
+        if structure.delayed:
+            step_due = _delayed_due(step, mode)
+            due.update([id(s) for s in structure.delayed if step_due or s.unseeded])
     if len(structures) == 1:  # one model: its grouping is kept while it holds
         grouped, weights = _grouped(structures[0]), structures[0].dynamic
     else:
@@ -278,7 +279,7 @@ def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
 def _grouped(structure: Structure) -> dict[Group, list[Unit]]:
     """The structure's units by reduction group, kept while the delayed states' explicit
     sync groups (`use_group`) stay as they were."""
-    key = [s.sync_group for s in structure.delayed]
+    key = [s.sync_group for s in structure.delayed] if structure.delayed else []
     kept = structure.memo.get("grouped")
     if kept is not None and kept[0] == key:
         return kept[1]
@@ -290,7 +291,10 @@ def _grouped(structure: Structure) -> dict[Group, list[Unit]]:
 def _needs_check(structures: list[Structure], grouped: dict[Group, list[Unit]]) -> bool:
     """`refresh.needs_check`, remembered once false for a structure (its modules stay
     checked: the checked set only grows, and the structure holds them)."""
-    if all([st.memo.get("checked") for st in structures]):
+    if len(structures) == 1:
+        if structures[0].memo.get("checked"):
+            return False
+    elif all([st.memo.get("checked") for st in structures]):
         return False
     if _refresh.needs_check(grouped):
         return True
@@ -392,7 +396,8 @@ AFTER_CONVERSION.append(float8_step)
 def _count_forward(step: Float8Step) -> None:
     # counted outside any compiled region and never by an activation-checkpoint recompute
     # (which does not go through the root's forward)
-    states = step.structure().delayed
+    structure = step._structure  # checked by the refresh just before
+    states = (structure if structure is not None else step.structure()).delayed
     if not states:
         return
     counter = step._forwards

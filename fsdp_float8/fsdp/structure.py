@@ -104,20 +104,29 @@ class Structure:
         return [w for u in self.units if (w := u.weight) is not None]
 
 
-# optimizer -> (its parameter count, generation, the structures asked), the steps it holds
+# optimizer -> (its parameter count, generation, each step and its structure's serial),
+# the steps it holds
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def held_by(optimizer: torch.optim.Optimizer, steps: Mapping) -> list:
     """The steps (`{model: step}`) whose model has a parameter the optimizer holds.
-    `step.structure()` gives each step's current `Structure`."""
-    structures = [(s, s.structure()) for s in list(steps.values())]
+    `step.structure()` gives each step's current `Structure`. The answer is kept per
+    optimizer while its parameter count, the registrations, the steps and the structures
+    they last built stand: a hit checks no model's structure (a held step checks its own
+    where it refreshes; a rebuild there is a new serial, so the next call asks again), and
+    costs the same however many models the process holds."""
+    live = list(steps.values())
     n = sum([len(g["params"]) for g in optimizer.param_groups])
-    key = (n, _generation[0], tuple([st.serial for _, st in structures]))
     cached = _HELD.get(optimizer)
-    if cached is not None and cached[0] == key:
-        return [s for ref in cached[1] if (s := ref()) is not None]
+    if cached is not None:
+        built = [(id(s), -1 if (st := s._structure) is None else st.serial) for s in live]
+        key = (n, _generation[0], built)
+        if cached[0] == key:
+            return [s for ref in cached[1] if (s := ref()) is not None]
+    structures = [(s, s.structure()) for s in live]
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     held = [s for s, st in structures if not ids.isdisjoint(st.param_ids)]
+    key = (n, _generation[0], [(id(s), st.serial) for s, st in structures])
     _HELD[optimizer] = (key, [weakref.ref(s) for s in held])
     return held

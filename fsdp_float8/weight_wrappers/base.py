@@ -36,7 +36,7 @@ from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.formats import rowwise, tensorwise
 from fsdp_float8.weight_wrappers.cast import WeightCast
-from fsdp_float8.weight_wrappers.state import WeightState, written_args
+from fsdp_float8.weight_wrappers.state import _WRITTEN, WeightState, written_args
 
 aten = torch.ops.aten
 # ops whose output aliases the input's storage: the output shares the wrapper's state
@@ -57,9 +57,12 @@ PRESERVE_WRAPPER = ALIAS_OPS | COPY_OPS | NEW_OPS
 
 def _written_wrappers(func, args, kwargs) -> list[Float8WeightWrapper]:
     written = []
-    for i, name, kwarg_only in written_args(func):
+    found = _WRITTEN.get(func)  # `written_args`, cached: no call per op
+    for i, name, kwarg_only in written_args(func) if found is None else found:
         value = args[i] if not kwarg_only and i < len(args) else kwargs.get(name)
-        written += [t for t in tree_leaves(value) if isinstance(t, Float8WeightWrapper)]
+        for t in tree_leaves(value):  # loops, not comprehensions: every op comes here
+            if isinstance(t, Float8WeightWrapper):
+                written.append(t)
     return written
 
 
@@ -144,7 +147,10 @@ class Float8WeightWrapper(torch.Tensor):
         # every in-place op of the optimizer step comes here: no Python call per tensor
         # where a C one does (`_inner`), no call for what does not apply
         kwargs = kwargs or {}
-        wrappers = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Float8WeightWrapper)]
+        wrappers = []
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, Float8WeightWrapper):
+                wrappers.append(a)
         first = wrappers[0]
         written = _written_wrappers(func, args, kwargs)
         inherited = _scale_kept_by_copy(func, args, written) if func is _COPY else None
@@ -244,7 +250,7 @@ class Float8WeightWrapper(torch.Tensor):
         if packed is not None:
             return packed
         _refuse_cpu_offload(self, module)
-        if self.needs_row_shards:
+        if self.needs_row_shards and tuple(self.shape[1:]) != tuple(outer_size[1:]):
             _refuse_shards_across_rows(self, outer_size, module)
         # scales, stamps and packs outlive this unshard (training reuses them): never
         # inference tensors, also when the first forward runs under torch.inference_mode()
@@ -302,7 +308,8 @@ class Float8WeightWrapper(torch.Tensor):
     def keep_stamped_pack(self, packed, scale: torch.Tensor, mesh, outer_size):
         """`packed` kept for the next unshard when `scale` is the float8 step's stamp (made
         from the values that stand until the next write), as `pack_shard` keeps its own."""
-        if scale is self._state.fresh_scale():
+        # the stamp itself: `scale` came from `fresh_scale()` in this pack, or was made anew
+        if scale is self._state._scale:
             self._state.remember_pack((mesh, tuple(outer_size), self.shape), packed)
         return packed
 

@@ -130,7 +130,7 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
     def global_amax(self, mesh) -> torch.Tensor:
         """The whole weight's amax: the stamp of the last refresh while the weight is
         unchanged since, else this shard's amax MAX-reduced over `mesh`."""
-        stamped = self.fresh_stamped_scale()
+        stamped = self._state.fresh_scale()
         if stamped is not None:
             return stamped
         return reduce_amaxes([tensor_amax(self._tensor)], mesh).reshape(())

@@ -107,14 +107,24 @@ class WeightState:
         return packed if seen == len(versions) else None
 
     def _versions(self) -> dict[int, int]:
-        return {k: t._version for k, (ref, _) in self._inners.items() if (t := ref()) is not None}
+        versions = {}
+        for k, (ref, _) in self._inners.items():  # a loop: no comprehension call
+            t = ref()
+            if t is not None:
+                versions[k] = t._version
+        return versions
 
     def stamp_scale(self, scale: torch.Tensor, scales: torch.Tensor | None = None) -> None:
         """Stamp `scale` as computed from the current values; `scales`: (scale, 1 / scale)
         as one 2-element tensor whose [0] is `scale`, when the caller has the inverse."""
         self._scale, self._scales, self._scale_generation = scale, scales, self.generation
         self._packed = None  # made with the previous stamp: free it
-        self._refresh_versions()
+        for key, (ref, _) in list(self._inners.items()):  # each inner's version, now
+            inner = ref()
+            if inner is None:
+                del self._inners[key]
+            else:
+                self._inners[key] = (ref, inner._version)
 
     def stamped_scales(self, scale: torch.Tensor) -> torch.Tensor | None:
         """The stamp's (scale, 1 / scale) when `scale` is the stamped scale and came with
@@ -141,14 +151,6 @@ class WeightState:
         if scale is not None:
             new.stamp_scale(scale, self._scales)
         return new
-
-    def _refresh_versions(self) -> None:
-        for key, (ref, _) in list(self._inners.items()):
-            inner = ref()
-            if inner is None:
-                del self._inners[key]
-            else:
-                self._inners[key] = (ref, inner._version)
 
 
 _PLAIN = (int, float, str, tuple)  # key values compared by value (the rest by identity)
