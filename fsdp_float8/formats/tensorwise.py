@@ -11,7 +11,9 @@ serves both weight GEMMs (a tensorwise scale is the same whichever dim is contra
 grad_input gets a column-major copy, never a re-cast (`operand_kind`, `build_operand`). The
 unsharded weight keeps its scale and the scale's inverse (what both GEMMs multiply by) side
 by side in one 2-element tensor of its own: written by one op per all-gather, read by no op
-per GEMM.
+per GEMM. The float8 step stamps a weight's scale as such a pair as well (the refresh makes
+every inverse in one op), which the all-gather copies as it is: one record of both, from
+the refresh to the GEMM.
 """
 
 from __future__ import annotations
