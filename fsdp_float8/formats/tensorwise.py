@@ -11,7 +11,9 @@ serves both weight GEMMs (a tensorwise scale is the same whichever dim is contra
 grad_input gets a column-major copy, never a re-cast (`operand_kind`, `build_operand`). The
 unsharded weight keeps its scale and the scale's inverse (what both GEMMs multiply by) side
 by side in one 2-element tensor of its own: written by one op per all-gather, read by no op
-per GEMM.
+per GEMM. The float8 step stamps a weight's scale as such a pair as well (the refresh makes
+every inverse in one op), which the all-gather copies as it is: one record of both, from
+the refresh to the GEMM.
 """
 
 from __future__ import annotations
@@ -89,16 +91,17 @@ def pack(
     outer_size,
     shards: int,
     emulate: bool,
-    inverse: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], TensorwiseGather]:
-    """The float8 shard as one `uint8` input, padded to the padded shard size. `inverse`:
-    `1 / scale` when the caller has it (the float8 step's refresh computes all at once)."""
+    """The float8 shard as one `uint8` input, padded to the padded shard size. `scales`:
+    (scale, 1 / scale) as one 2-element tensor whose [0] is `scale`, when the caller has
+    it (the float8 step's refresh stamps it, all inverses in one op)."""
     data_bytes = data.view(torch.uint8)
     padded_rows = math.ceil(outer_size[0] / shards)
     if data_bytes.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
         padding = [0, 0] * (data_bytes.dim() - 1) + [0, padded_rows - data_bytes.shape[0]]
         data_bytes = F.pad(data_bytes, padding)
-    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, inverse)
+    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, scales)
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,13 +109,17 @@ class TensorwiseGather:
     scale: torch.Tensor  # 0-d float32, the same on every rank
     float8_dtype: torch.dtype
     emulate: bool
-    inverse: torch.Tensor | None = None  # 1 / scale, when known already
+    scales: torch.Tensor | None = None  # (scale, 1 / scale), when known already
 
     def _scales(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """(scale, 1 / scale) as one tensor: a fresh one, or written into `out`."""
+        known = self.scales
+        if known is not None:  # one op: a copy of the stamp's pair
+            if known.is_cuda:
+                read_here(known)
+            return known.clone() if out is None else out.copy_(known)
         read_here(self.scale)
-        inverse = self.scale.reciprocal() if self.inverse is None else self.inverse
-        read_here(inverse)
+        inverse = self.scale.reciprocal()
         if out is None:
             return torch.stack((self.scale, inverse))
         return torch.stack((self.scale, inverse), out=out)
@@ -134,9 +141,10 @@ class TensorwiseGather:
         record = out._operands
         if record is not None and record.scales is not None:
             self._scales(out=record.scales)  # `out._scale` views its [0]
-        else:
-            read_here(self.scale)
-            out._scale.copy_(self.scale)
+            record.refilled()
+            return
+        read_here(self.scale)
+        out._scale.copy_(self.scale)
         refilled(out)
 
 
@@ -147,8 +155,9 @@ _MAX_GROUPS = 8192  # see `joint_cast`
 class JointCast:
     """The output GEMM's input and weight cast together (`joint_cast`): `x` and `w` are
     row-major views of one float8 buffer (the output GEMM's operands); `columns` holds the
-    same bytes column-major, (K, M + N), for backward (`joint_columns`): grad_weight's input
-    and grad_input's weight, with no re-cast and no transposed copy there."""
+    same bytes column-major, the input's (K, M) then the weight's (K, N), flat, for backward
+    (`joint_columns`): grad_weight's input and grad_input's weight, with no re-cast and no
+    transposed copy there."""
 
     x: Pair
     w: Pair

@@ -343,13 +343,15 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if _quantized_elsewhere(weight):  # e.g. torchao's quantize_ for serving: its GEMM
+        gathered = type(weight) is Float8Tensor  # the FSDP2 float8 all-gather's: no checks
+        if not gathered and _quantized_elsewhere(weight):  # e.g. torchao's quantize_: its GEMM
             return F.linear(x, weight, bias)
         if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel/)
             weight, bias = _local_parameters(self, x)
-        if self.config.enable_fsdp_float8_all_gather:
+        if self.config.enable_fsdp_float8_all_gather and not gathered:
             _require_float8_weight(weight)
-        _check_input_dtype(x)
+        if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+            _check_input_dtype(x)
         if torch.is_autocast_enabled(x.device.type):
             if not isinstance(x, Float8Tensor):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
