@@ -137,6 +137,37 @@ def tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
     return amax if exact else amax.to(torch.float32)
 
 
+_MAX_GROUPS = 8192  # see `stacked_scales`
+
+
+def stacked_scales(
+    both: torch.Tensor, m: int, float8_dtype: torch.dtype, *, power_of_2: tuple[bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensorwise scales of the two operands stacked in `both`: its first `m` rows and
+    the rest (the input and the weight of `formats.tensorwise.joint_cast`, which share K).
+    The amax of each group of g rows (g divides both row counts: no group mixes the two),
+    in the operands' dtype (exact), then one max per operand over its groups. g is the least
+    power of 2 that leaves at most 8,192 groups: Inductor lowers a max over that many values
+    as one kernel (over more, as two), and fewer groups spread the first reduction over fewer
+    rows of the GPU."""
+    rows, k = both.shape
+    n = rows - m
+    g = 1
+    while rows // g > _MAX_GROUPS and m % (2 * g) == 0 and n % (2 * g) == 0:
+        g *= 2
+    groups = both.view(rows // g, g * k).abs().amax(dim=1)
+    first = torch.arange(rows // g, device=both.device) < m // g
+    zero = groups.new_zeros(())
+    return (
+        amax_to_scale(
+            torch.where(first, groups, zero).amax(), float8_dtype, power_of_2=power_of_2[0]
+        ),
+        amax_to_scale(
+            torch.where(first, zero, groups).amax(), float8_dtype, power_of_2=power_of_2[1]
+        ),
+    )
+
+
 def axis_amax(hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
     """max |x| along `dim` (kept, so it broadcasts back), float32 (or the tensor's dtype
     when `exact`, see `tensor_amax`); 0 where `dim` is empty."""

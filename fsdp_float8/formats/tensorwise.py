@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import DynamicScaling, amax_to_scale
+from fsdp_float8.core.scaling import DynamicScaling, stacked_scales
 from fsdp_float8.formats.operands import AS_IS, CACHED, GatheredOperands, Pair, column_major
 
 NEEDS_GLOBAL_AMAX = True
@@ -148,9 +148,6 @@ class TensorwiseGather:
         refilled(out)
 
 
-_MAX_GROUPS = 8192  # see `joint_cast`
-
-
 @dataclass(frozen=True)
 class JointCast:
     """The output GEMM's input and weight cast together (`joint_cast`): `x` and `w` are
@@ -173,14 +170,15 @@ def joint_columns(columns: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, 
 def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     """The output GEMM's two dynamic tensorwise casts, of input `x` (M, K) and weight `w`
     (N, K), as one (`CastPlan.joint_output_cast` says when a plan allows it): the rows of
-    both stacked (they share K), one row-amax reduction, both scales from it, one cast pass
-    writing the stacked rows. The same bytes and scales as separate casts
-    (a max is exact; each row is multiplied by its own tensor's scale, with no clamp, as
-    `cast_to_float8_data` with `saturate=False`). Compiled, that is three kernels where
-    separate casts take six, and backward re-casts no weight.
-    Memory: backward keeps the column-major buffer, (M + N) x K bytes, where separate casts
-    keep the input's M x K (and re-cast the weight). Needs M and N multiples of 16 (the views' offsets and leading
-    dims stay 16-byte aligned, as the float8 GEMMs need)."""
+    both stacked (they share K), one amax reduction over groups of rows and both scales
+    from it (`core.scaling.stacked_scales`), one cast pass writing the stacked rows. The
+    same bytes and scales as separate casts (a max is exact; each row is multiplied by its
+    own tensor's scale, with no clamp, as `cast_to_float8_data` with `saturate=False`).
+    Compiled, that is three kernels where separate casts take six, and backward re-casts
+    no weight.
+    Memory: backward keeps the column-major copy, (M + N) x K bytes, where separate casts
+    keep the input's M x K (and re-cast the weight). Needs M and N multiples of 16 (the
+    views' offsets and leading dims stay 16-byte aligned, as the float8 GEMMs need)."""
     m, k = x.shape
     n = w.shape[0]
     x_strategy = plan.strategies[(Operand.INPUT, Gemm.OUTPUT)]
@@ -188,22 +186,8 @@ def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     assert isinstance(x_strategy, DynamicScaling) and isinstance(w_strategy, DynamicScaling)
     dtype = plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
     both = torch.cat([x.detach(), w.detach()])
-    # the amax of each group of g rows (g divides M and N: no group mixes the two), in the
-    # operands' dtype (exact); then one reduction per operand over the groups. g is the
-    # least power of 2 that leaves at most 8,192 groups: Inductor lowers a max over that
-    # many values as one kernel (over more, as two), and over fewer groups the first
-    # reduction has fewer rows to spread over the GPU
-    g = 1
-    while (m + n) // g > _MAX_GROUPS and m % (2 * g) == 0 and n % (2 * g) == 0:
-        g *= 2
-    groups = both.view((m + n) // g, g * k).abs().amax(dim=1)
-    x_groups = torch.arange((m + n) // g, device=both.device) < m // g
-    zero = groups.new_zeros(())
-    x_scale = amax_to_scale(
-        torch.where(x_groups, groups, zero).amax(), dtype, power_of_2=x_strategy.power_of_2
-    )
-    w_scale = amax_to_scale(
-        torch.where(x_groups, zero, groups).amax(), dtype, power_of_2=w_strategy.power_of_2
+    x_scale, w_scale = stacked_scales(
+        both, m, dtype, power_of_2=(x_strategy.power_of_2, w_strategy.power_of_2)
     )
     is_x = torch.arange(m + n, device=both.device) < m
     scaled = both * torch.where(is_x, x_scale, w_scale).unsqueeze(1)
