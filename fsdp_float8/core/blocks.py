@@ -95,7 +95,9 @@ def dequantize_blocks(
 
 def expand_block_scale(scale: torch.Tensor, block: Block, shape) -> torch.Tensor:
     """The block scale repeated over its block's elements: full `shape`, float32."""
-    _check_scale(scale, shape, block)
+    *lead, r, c = shape  # `_check_scale` (it raises) only on a mismatch: no call per GEMM
+    if scale.shape != (*lead, -(-r // block[0]), -(-c // block[1])):
+        _check_scale(scale, shape, block)
     full = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return full[..., : shape[-2], : shape[-1]]
 

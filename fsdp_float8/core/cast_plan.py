@@ -53,6 +53,13 @@ class CastPlan:
     # layers reading one input share its casts (`Float8LinearConfig.share_input_casts`)
     share_input_casts: bool = False
 
+    def __post_init__(self) -> None:
+        # `shared(operand)`, answered once per plan: each GEMM asks it
+        shared = frozenset(
+            op for op in PRIMARY_GEMM if self.shares_cast(op, PRIMARY_GEMM[op], SECOND_GEMM[op])
+        )
+        object.__setattr__(self, "_shared", shared)
+
     @classmethod
     def from_config(cls, config: Float8LinearConfig) -> Self:
         return cls(
@@ -84,7 +91,7 @@ class CastPlan:
 
     def shared(self, operand: Operand) -> bool:
         """The operand's primary cast serves its second GEMM too."""
-        return self.shares_cast(operand, PRIMARY_GEMM[operand], SECOND_GEMM[operand])
+        return operand in self._shared  # type: ignore[attr-defined]  # set in __post_init__
 
     def joint_output_cast(self) -> bool:
         """The output GEMM's input and weight are both cast with the dynamic tensorwise

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from fsdp_float8.core import _compat
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.core.blocks import Block, block_scaled_mm
 from fsdp_float8.core.families import one_scale, recipes_where
@@ -66,7 +67,8 @@ def _gemm_scales(
     of an expanded one)."""
     if a_scale.numel() == 1 and b_scale.numel() == 1:
         return a_scale.reshape(()).reciprocal(), b_scale.reshape(()).reciprocal()
-    check_gemm_scales("scaled_mm", a_scale, (m, 1), b_scale, (1, n))
+    if a_scale.shape not in ((), (m, 1)) or b_scale.shape not in ((), (1, n)):
+        check_gemm_scales("scaled_mm", a_scale, (m, 1), b_scale, (1, n))  # it raises
     inv_a = a_scale.reshape(-1, 1).expand(m, 1).reciprocal()
     inv_b = b_scale.reshape(1, -1).expand(1, n).reciprocal()
     return inv_a, inv_b
@@ -108,12 +110,16 @@ def _cpu_scaled_mm(
     as they are inside a CUDA GEMM: torch.compile calls it as it calls `torch._scaled_mm`,
     and the graph around it is the one a GPU gets (`f8train/count_kernels.py` opens it).
     """
-    one_scale = inv_a.dim() == 0 and inv_b.dim() == 0
-    if cpu_scaled_mm_takes_row_scales():
-        if one_scale:
-            inv_a = _dense(inv_a.expand(a_data.shape[0], 1))
-            inv_b = _dense(inv_b.expand(1, b_data.shape[1]))
-    elif not one_scale:
+    scalar_scales = inv_a.dim() == 0 and inv_b.dim() == 0
+    row_scales = _compat._ROW_SCALES  # probed once (the call below probes at first use)
+    if row_scales is None:
+        row_scales = cpu_scaled_mm_takes_row_scales()
+    if row_scales:
+        if scalar_scales:  # `_dense`, twice
+            dense = torch.contiguous_format
+            inv_a = inv_a.expand(a_data.shape[0], 1).clone(memory_format=dense)
+            inv_b = inv_b.expand(1, b_data.shape[1]).clone(memory_format=dense)
+    elif not scalar_scales:
         return row_scaled_mm_around_unit_gemm(a_data, b_data, inv_a, inv_b, out_dtype)
     return torch._scaled_mm(
         a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
@@ -176,14 +182,20 @@ def scaled_mm_data(
         inv_a, inv_b = inv_scales
     else:
         inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n)
-    a_data, b_data = row_and_column_major(a_data, b_data)
+    # `row_and_column_major`, inline (one call fewer per GEMM)
+    a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
+    if not b_data.transpose(-2, -1).is_contiguous():
+        b_data = b_data.transpose(-2, -1).contiguous().transpose(-2, -1)
     cuda = not emulate and a_data.is_cuda
-    a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)
+    if a_data.shape[1] % 16 or n % 16:  # else `_pad_to_16` has nothing to do
+        a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)
     if emulate:
         out = (a_data.to(torch.float32) * inv_a) @ (b_data.to(torch.float32) * inv_b)
         out = out.to(out_dtype)
     else:
-        check_gemm_supported(a_data.device.type, rowwise=inv_a.dim() > 0, out_dtype=out_dtype)
+        # nothing to refuse: a tensorwise GEMM, or a CPU one outside `cuda_gemm_rules_on_cpu`
+        if inv_a.dim() > 0 and (a_data.is_cuda or _CUDA_RULES_ON_CPU):
+            check_gemm_supported(a_data.device.type, rowwise=True, out_dtype=out_dtype)
         if a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
             out = cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
         else:

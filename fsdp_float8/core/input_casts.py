@@ -71,10 +71,11 @@ def _saved_tensors_hooks_on() -> bool:
 def shared_casts(x: torch.Tensor, plan: CastPlan, context: object = None) -> InputCasts | None:
     """The record the readers of `x` with `plan`'s input casts (and `context`) share
     (module docstring); None where nothing is shared."""
+    if not plan.share_input_casts:
+        return None
     strategies = [plan.strategies[k] for k in _CASTS]
     if (
-        not plan.share_input_casts
-        or any(s is None or not s.own_amax for s in strategies)
+        any(s is None or not s.own_amax for s in strategies)
         or torch.compiler.is_compiling()
         or type(x) is not torch.Tensor
         or x.is_inference()

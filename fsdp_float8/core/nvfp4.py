@@ -345,7 +345,9 @@ def transposed(q: NVFP4) -> NVFP4:
 
 
 def _check_mm(a: NVFP4, b: NVFP4) -> None:
-    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
+    # on the packed shapes (no `shape` call per GEMM): the same K <=> the same packed K
+    pa, pb = a.packed.shape, b.packed.shape
+    if len(pa) != 2 or len(pb) != 2 or pa[1] != pb[1]:
         raise ValueError(
             f"an NVFP4 GEMM takes a (M, K) and b (N, K) with the same K, got {tuple(a.shape)} "
             f"and {tuple(b.shape)}; quantize the right operand transposed"
@@ -490,10 +492,10 @@ def nvfp4_mm(
     """`emulated_mm`'s product. On CUDA SM100+ one cuBLAS FP4 GEMM (`F.scaled_mm`, scales
     [BlockWise1x16, TensorWise] per operand); on CPU (which has no FP4 GEMM) and with
     `emulate`, the emulated GEMM; on a CUDA device below SM100 a ValueError."""
-    _check_mm(a, b)
     device = a.packed.device
     if emulate or device.type != "cuda":
-        return emulated_mm(a, b, out_dtype)
+        return emulated_mm(a, b, out_dtype)  # which checks the operands
+    _check_mm(a, b)
     check_nvfp4_gemm_device(device, emulate=False)
     return _cuda_mm(_cuda_operand(a), _cuda_operand(b), out_dtype)
 

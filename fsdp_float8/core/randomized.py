@@ -52,7 +52,8 @@ def random_hadamard(generator: torch.Generator) -> torch.Tensor:
     return signs[:, None] * h / math.sqrt(RHT_SIZE)
 
 
-def _in_runs(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """Each run of 16 elements along the last dim times `matrix` (`random_hadamard`)."""
     if matrix.shape != (RHT_SIZE, RHT_SIZE) or x.shape[-1] % RHT_SIZE:
         raise ValueError(
             f"the Hadamard transform takes a {RHT_SIZE}x{RHT_SIZE} matrix and a last dim "
@@ -63,11 +64,6 @@ def _in_runs(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     return (runs @ matrix.to(runs.device, runs.dtype)).reshape(x.shape)
 
 
-def rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Each run of 16 elements along the last dim times `matrix` (`random_hadamard`)."""
-    return _in_runs(x, matrix)
-
-
 def inverse_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """The inverse of `rht`: times the transpose (the matrix is orthogonal)."""
-    return _in_runs(x, matrix.t())
+    return rht(x, matrix.t())

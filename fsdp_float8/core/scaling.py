@@ -55,15 +55,16 @@ def amax_to_scale(
     amax: torch.Tensor, float8_dtype: torch.dtype, *, power_of_2: bool = False
 ) -> torch.Tensor:
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
-    fmax, floor = float8_max(float8_dtype), float8_max(float8_dtype) / MAX_SCALE
+    fmax = float(torch.finfo(float8_dtype).max)  # `float8_max`, inline: once per cast
+    floor = fmax / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
         amax64 = torch.clamp(amax, min=constant(floor, torch.float64, amax.device, amax.dim()))
     else:  # traced (fused either way): no tensor constant in the graph
         amax64 = amax.to(torch.float64).clamp(min=floor)
     scale = (fmax / amax64).to(torch.float32)  # `fmax / t` is t.reciprocal() * fmax
-    if power_of_2:
-        scale = round_down_to_power_of_2(scale)
+    if power_of_2:  # `round_down_to_power_of_2`, inline: once per cast
+        scale = (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
     return scale
 
 
@@ -104,7 +105,6 @@ def cast_to_float8_data(
     is one fused kernel either way. `column_major` (2-D `hp`): the result is laid out
     column-major, as the right operand of a GEMM needs it (or the left one, transposed):
     the transposed copy is the first float32 copy, not an extra pass over the float8 data."""
-    fmax = float8_max(float8_dtype)
     src = hp.detach()
     if column_major:
         src, scale = src.t(), (scale.t() if scale.dim() == 2 else scale)
@@ -115,6 +115,7 @@ def cast_to_float8_data(
     else:
         scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
     if saturate:
+        fmax = float8_max(float8_dtype)
         scaled = torch.clamp(scaled, min=-fmax, max=fmax)
     data = scaled.to(float8_dtype)
     return data.t() if column_major else data
@@ -135,6 +136,37 @@ def tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=hp.device)
     amax = hp.abs().amax()
     return amax if exact else amax.to(torch.float32)
+
+
+_MAX_GROUPS = 8192  # see `stacked_scales`
+
+
+def stacked_scales(
+    both: torch.Tensor, m: int, float8_dtype: torch.dtype, *, power_of_2: tuple[bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensorwise scales of the two operands stacked in `both`: its first `m` rows and
+    the rest (the input and the weight of `formats.tensorwise.joint_cast`, which share K).
+    The amax of each group of g rows (g divides both row counts: no group mixes the two),
+    in the operands' dtype (exact), then one max per operand over its groups. g is the least
+    power of 2 that leaves at most 8,192 groups: Inductor lowers a max over that many values
+    as one kernel (over more, as two), and fewer groups spread the first reduction over fewer
+    rows of the GPU."""
+    rows, k = both.shape
+    n = rows - m
+    g = 1
+    while rows // g > _MAX_GROUPS and m % (2 * g) == 0 and n % (2 * g) == 0:
+        g *= 2
+    groups = both.view(rows // g, g * k).abs().amax(dim=1)
+    first = torch.arange(rows // g, device=both.device) < m // g
+    zero = groups.new_zeros(())
+    return (
+        amax_to_scale(
+            torch.where(first, groups, zero).amax(), float8_dtype, power_of_2=power_of_2[0]
+        ),
+        amax_to_scale(
+            torch.where(first, zero, groups).amax(), float8_dtype, power_of_2=power_of_2[1]
+        ),
+    )
 
 
 def axis_amax(hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
@@ -169,7 +201,7 @@ def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """`tensor_amax` of each tensor (0-d float32 each). On CUDA one
     batched `_foreach_norm(inf)` kernel for the whole list; elsewhere (where foreach ops
     loop per tensor anyway) one `tensor_amax` per tensor. Both are exact, so the values agree."""
-    if tensors and all(t.is_cuda and t.numel() for t in tensors):
+    if tensors and all([t.is_cuda and t.numel() for t in tensors]):
         norms = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
         return [n.to(torch.float32) for n in norms]
     return [tensor_amax(t) for t in tensors]
@@ -365,8 +397,10 @@ class DynamicScaling:
 
     def scale(self, hp, dim, float8_dtype, state=None):
         # without a reduction, the amax in hp's dtype (exact): one conversion fewer
-        amax = self.granularity.amax(hp, dim, exact=self.group is None)
-        return self.scale_from_amax(amax, float8_dtype)
+        if self.group is None:  # the amax in hp's dtype (exact); the scale path's last step
+            amax = self.granularity.amax(hp, dim, exact=True)
+            return amax_to_scale(amax, float8_dtype, power_of_2=self.power_of_2)
+        return self.scale_from_amax(self.granularity.amax(hp, dim), float8_dtype)
 
     def scale_from_amax(
         self, amax: torch.Tensor, float8_dtype: torch.dtype, group: Group = None

@@ -11,7 +11,9 @@ serves both weight GEMMs (a tensorwise scale is the same whichever dim is contra
 grad_input gets a column-major copy, never a re-cast (`operand_kind`, `build_operand`). The
 unsharded weight keeps its scale and the scale's inverse (what both GEMMs multiply by) side
 by side in one 2-element tensor of its own: written by one op per all-gather, read by no op
-per GEMM.
+per GEMM. The float8 step stamps a weight's scale as such a pair as well (the refresh makes
+every inverse in one op), which the all-gather copies as it is: one record of both, from
+the refresh to the GEMM.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.families import FAMILIES
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import DynamicScaling, amax_to_scale
+from fsdp_float8.core.scaling import DynamicScaling, stacked_scales
 from fsdp_float8.formats.operands import (
     AS_IS,
     CACHED,
@@ -68,16 +70,17 @@ def pack(
     outer_size,
     shards: int,
     emulate: bool,
-    inverse: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], TensorwiseGather]:
-    """The float8 shard as one `uint8` input, padded to the padded shard size. `inverse`:
-    `1 / scale` when the caller has it (the float8 step's refresh computes all at once)."""
+    """The float8 shard as one `uint8` input, padded to the padded shard size. `scales`:
+    (scale, 1 / scale) as one 2-element tensor whose [0] is `scale`, when the caller has
+    it (the float8 step's refresh stamps it, all inverses in one op)."""
     data_bytes = data.view(torch.uint8)
     padded_rows = math.ceil(outer_size[0] / shards)
     if data_bytes.shape[0] < padded_rows:  # uneven sharding: every rank sends the padded size
         padding = [0, 0] * (data_bytes.dim() - 1) + [0, padded_rows - data_bytes.shape[0]]
         data_bytes = F.pad(data_bytes, padding)
-    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, inverse)
+    return (data_bytes,), TensorwiseGather(scale, data.dtype, emulate, scales)
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,13 +88,17 @@ class TensorwiseGather:
     scale: torch.Tensor  # 0-d float32, the same on every rank
     float8_dtype: torch.dtype
     emulate: bool
-    inverse: torch.Tensor | None = None  # 1 / scale, when known already
+    scales: torch.Tensor | None = None  # (scale, 1 / scale), when known already
 
     def _scales(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """(scale, 1 / scale) as one tensor: a fresh one, or written into `out`."""
+        known = self.scales
+        if known is not None:  # one op: a copy of the stamp's pair
+            if known.is_cuda:
+                read_here(known)
+            return known.clone() if out is None else out.copy_(known)
         read_here(self.scale)
-        inverse = self.scale.reciprocal() if self.inverse is None else self.inverse
-        read_here(inverse)
+        inverse = self.scale.reciprocal()
         if out is None:
             return torch.stack((self.scale, inverse))
         return torch.stack((self.scale, inverse), out=out)
@@ -113,9 +120,10 @@ class TensorwiseGather:
         record = out._operands
         if record is not None and record.scales is not None:
             self._scales(out=record.scales)  # `out._scale` views its [0]
-        else:
-            read_here(self.scale)
-            out._scale.copy_(self.scale)
+            record.refilled()
+            return
+        read_here(self.scale)
+        out._scale.copy_(self.scale)
         refilled(out)
 
 
@@ -123,8 +131,9 @@ class TensorwiseGather:
 class JointCast:
     """The output GEMM's input and weight cast together (`joint_cast`): `x` and `w` are
     row-major views of one float8 buffer (the output GEMM's operands); `columns` holds the
-    same bytes column-major, (K, M + N), for backward (`joint_columns`): grad_weight's input
-    and grad_input's weight, with no re-cast and no transposed copy there."""
+    same bytes column-major, the input's (K, M) then the weight's (K, N), flat, for backward
+    (`joint_columns`): grad_weight's input and grad_input's weight, with no re-cast and no
+    transposed copy there."""
 
     x: Pair
     w: Pair
@@ -140,14 +149,15 @@ def joint_columns(columns: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, 
 def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     """The output GEMM's two dynamic tensorwise casts, of input `x` (M, K) and weight `w`
     (N, K), as one (`CastPlan.joint_output_cast` says when a plan allows it): the rows of
-    both stacked (they share K), one row-amax reduction, both scales from it, one cast pass
-    writing the stacked rows in both layouts. The same bytes and scales as separate casts
-    (a max is exact; each row is multiplied by its own tensor's scale, with no clamp, as
-    `cast_to_float8_data` with `saturate=False`). Compiled, that is three kernels where
-    separate casts take six, and backward re-casts no weight.
-    Memory: backward keeps the column-major buffer, (M + N) x K bytes, where separate casts
-    keep the input's M x K (and re-cast the weight). Needs M and N multiples of 16 (the views' offsets and leading
-    dims stay 16-byte aligned, as the float8 GEMMs need)."""
+    both stacked (they share K), one amax reduction over groups of rows and both scales
+    from it (`core.scaling.stacked_scales`), one cast pass writing the stacked rows. The
+    same bytes and scales as separate casts (a max is exact; each row is multiplied by its
+    own tensor's scale, with no clamp, as `cast_to_float8_data` with `saturate=False`).
+    Compiled, that is three kernels where separate casts take six, and backward re-casts
+    no weight.
+    Memory: backward keeps the column-major copy, (M + N) x K bytes, where separate casts
+    keep the input's M x K (and re-cast the weight). Needs M and N multiples of 16 (the
+    views' offsets and leading dims stay 16-byte aligned, as the float8 GEMMs need)."""
     m, k = x.shape
     n = w.shape[0]
     x_strategy = plan.strategies[(Operand.INPUT, Gemm.OUTPUT)]
@@ -155,15 +165,10 @@ def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     assert isinstance(x_strategy, DynamicScaling) and isinstance(w_strategy, DynamicScaling)
     dtype = plan.dtypes[(Operand.INPUT, Gemm.OUTPUT)]
     both = torch.cat([x.detach(), w.detach()])
-    rows = both.abs().amax(dim=1)  # in the operands' dtype: exact
+    x_scale, w_scale = stacked_scales(
+        both, m, dtype, power_of_2=(x_strategy.power_of_2, w_strategy.power_of_2)
+    )
     is_x = torch.arange(m + n, device=both.device) < m
-    zero = rows.new_zeros(())
-    x_scale = amax_to_scale(
-        torch.where(is_x, rows, zero).amax(), dtype, power_of_2=x_strategy.power_of_2
-    )
-    w_scale = amax_to_scale(
-        torch.where(is_x, zero, rows).amax(), dtype, power_of_2=w_strategy.power_of_2
-    )
     scaled = both * torch.where(is_x, x_scale, w_scale).unsqueeze(1)
     # as_strided: compiled, the buffer is written once and its readers read it in place (a
     # slice of a value not yet written would be computed again for each reader)

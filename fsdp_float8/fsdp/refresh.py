@@ -24,6 +24,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -88,6 +89,17 @@ class Unit:
     def delayed(self) -> DelayedScalingState | None:
         return getattr(self.module, "delayed_scaling", None) if self.float8 else None
 
+    # `dynamic_weight()` and `delayed()` resolved once (attributes: no call per read). The
+    # float8 step reads them of the units of a current `Structure` only, whose parameters
+    # and their local tensors are the objects they were when it was built.
+    @cached_property
+    def weight(self) -> DynamicFloat8Weight | None:
+        return self.dynamic_weight()
+
+    @cached_property
+    def state(self) -> DelayedScalingState | None:
+        return self.delayed()
+
 
 def units_of(model: nn.Module) -> list[Unit]:
     """Every weight a `Float8Module` names and every other nn.Linear weight of `model`, in
@@ -119,10 +131,10 @@ def needs_check(grouped: dict[Group, list[Unit]]) -> bool:
 def group_for(unit: Unit, default: Group) -> Group:
     """Where a unit's amaxes are reduced: an explicit delayed sync group, else its weight's
     FSDP2 mesh, else the model's (a weight FSDP2 holds unsharded right now, or no FSDP2)."""
-    state = unit.delayed()
+    state = unit.state
     if state is not None and state.sync_group is not None:
         return state.sync_group
-    w = unit.param
+    w = getattr(unit.module, unit.name)
     return w.device_mesh if isinstance(w, DTensor) else default
 
 
@@ -165,7 +177,7 @@ def refresh_units(
 
 
 def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: str | None):
-    work = any(u.dynamic_weight() is not None or id(u.delayed()) in delayed_due for u in units)
+    work = any([u.weight is not None or id(u.state) in delayed_due for u in units])
     _agree(units, group, at if work else None)
     if not work:  # nothing to reduce (e.g. rowwise)
         return 0, 0
@@ -174,7 +186,7 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
     table = reduced.view(len(_SLOTS) + 2, len(units))
     _stamp_scales(weights, table[0])
     _apply_delayed(units, states, table)
-    return len(weights), sum(len(s.operands) for i in states if (s := units[i].delayed()))
+    return len(weights), sum([len(s.operands) for i in states if (s := units[i].state)])
 
 
 def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.Tensor) -> None:
@@ -183,21 +195,21 @@ def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.
     once per (rule, float8 dtype, power-of-two rule) over all its weights."""
     by_rule: dict[tuple, list[tuple[int, DynamicFloat8Weight]]] = {}
     for i, w in weights:
-        cls = type(w)
-        rule = (
-            cls.stamps_from_amaxes,
-            cls.STAMPS_INVERSE,
-            w.float8_dtype,
-            w.weight_cast.power_of_2,
-        )
+        cls, cast = type(w), w._cast
+        rule = (cls.stamps_from_amaxes, cls.STAMPS_INVERSE, cast.float8_dtype, cast.power_of_2)
         by_rule.setdefault(rule, []).append((i, w))
     for (stamps_from, with_inverse, dtype, pow2), members in by_rule.items():
         index = torch.tensor([i for i, _ in members], device=amaxes.device)
         stamps = stamps_from(amaxes[index], dtype, pow2)
-        # the GEMMs multiply by 1 / scale: one op here, none per GEMM
-        inverses = stamps.reciprocal().unbind() if with_inverse else (None,) * len(members)
-        for (_, w), stamp, inverse in zip(members, stamps.unbind(), inverses, strict=True):
-            w.set_precomputed_scale(stamp, inverse)
+        if not with_inverse:
+            for (_, w), stamp in zip(members, stamps.unbind(), strict=True):
+                w.set_precomputed_scale(stamp)
+            continue
+        # the GEMMs multiply by 1 / scale: one op here, none per GEMM. Each weight's stamp
+        # is one row (scale, 1 / scale): the one record of both, from here to the GEMM
+        pairs = torch.stack((stamps, stamps.reciprocal()), dim=1).unbind()
+        for (_, w), pair in zip(members, pairs, strict=True):
+            w.set_precomputed_scale(pair[0], pair)
 
 
 def _agree(units: list[Unit], group: Group, at: str | None) -> None:
@@ -206,11 +218,12 @@ def _agree(units: list[Unit], group: Group, at: str | None) -> None:
     pg = group_of(group)
     if pg is None or dist.get_world_size(pg) == 1:
         return
-    check = not all(u.module in _checked for u in units if u.float8)
+    check = not all([u.module in _checked for u in units if u.float8])
     if check or at:
         head = fingerprint([(u.fqn, u.module, u.name) for u in units]) if check else None
         handshake(pg, head, at or "first refresh of the float8 step")
-        _checked.update(u.module for u in units if u.float8)
+        if check:
+            _checked.update([u.module for u in units if u.float8])
 
 
 def _slot_columns(units: list[Unit], delayed_due: set[int]):
@@ -218,12 +231,12 @@ def _slot_columns(units: list[Unit], delayed_due: set[int]):
     device = _device_of(units)
     zero = torch.zeros((), dtype=torch.float32, device=device)
     cols: list[list[torch.Tensor]] = [[zero] * len(units) for _ in range(len(_SLOTS) + 1)]
-    weights = [(i, w) for i, u in enumerate(units) if (w := u.dynamic_weight()) is not None]
+    weights = [(i, w) for i, u in enumerate(units) if (w := u.weight) is not None]
     for (i, _), amax in zip(weights, tensor_amaxes([w._tensor for _, w in weights]), strict=True):
         cols[0][i] = amax.reshape(())
-    states = [i for i, u in enumerate(units) if id(u.delayed()) in delayed_due]
+    states = [i for i, u in enumerate(units) if id(u.state) in delayed_due]
     for i in states:
-        state = units[i].delayed()
+        state = units[i].state
         assert state is not None  # `states` holds the delayed units only
         slots = state.slots(_local_hp_weight(units[i].param))
         for k, op in enumerate(_SLOTS):
@@ -236,7 +249,7 @@ def _slot_columns(units: list[Unit], delayed_due: set[int]):
 def _apply_delayed(units: list[Unit], states: list[int], table: torch.Tensor) -> None:
     ran_max, ran_min = table[len(_SLOTS)], -table[len(_SLOTS) + 1]
     for i in states:
-        state = units[i].delayed()
+        state = units[i].state
         assert state is not None  # `states` holds the delayed units only
         amaxes = {op: table[k, i] for k, op in enumerate(_SLOTS) if op in state.operands}
         state.apply_reduced(amaxes, ran_min[i] > 0)
@@ -269,6 +282,8 @@ def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
 
 
 def read_pending_checks() -> None:
+    if not _pending_checks:  # none was ever queued (a CPU run): nothing to read
+        return
     pending = _pending()
     while pending and pending[0][0].query():
         _, host, names = pending.pop(0)
@@ -286,7 +301,7 @@ def _raise_if_mixed(names: list[str], mixed: list[bool]) -> None:
 
 
 def _device_of(units: list[Unit]) -> torch.device:
-    return units[0].param.device if units else torch.device("cpu")
+    return getattr(units[0].module, units[0].name).device if units else torch.device("cpu")
 
 
 def _local_hp_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -247,30 +247,60 @@ def _delayed_due(step: Float8Step, mode: str) -> bool:
 def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
     """Refresh what is stale in `steps` together: one collective per reduction group."""
     _refresh.read_pending_checks()
-    units: dict[tuple[int, str], tuple[Unit, Group]] = {}
+    structures = [step.structure() for step in steps]
     due: set[int] = set()
-    for step in steps:
-        step_due = _delayed_due(step, mode)
-        for u, default in step._units():
-            # a module in two steps (a model and a converted container of it) counts once
-            units.setdefault((id(u.module), u.name), (u, default))
-            state = u.delayed()
-            if state is not None and (step_due or state.unseeded):
-                due.add(id(state))
-    grouped = grouped_units(list(units.values()))
+    for step, structure in zip(steps, structures, strict=True):
+        if structure.delayed:
+            step_due = _delayed_due(step, mode)
+            due.update([id(s) for s in structure.delayed if step_due or s.unseeded])
+    if len(structures) == 1:  # one model: its grouping is kept while it holds
+        grouped, weights = _grouped(structures[0]), structures[0].dynamic
+    else:
+        units: dict[tuple[int, str], tuple[Unit, Group]] = {}
+        for structure in structures:
+            for u in structure.units:
+                # a module in two steps (a model and a converted container of it) counts once
+                units.setdefault((id(u.module), u.name), (u, structure.default))
+        grouped = grouped_units(list(units.values()))
+        weights = [w for u, _ in units.values() if (w := u.weight) is not None]
     if mode == _FORWARD and not any(map(group_of, grouped)):
         return 0, 0  # one process: nothing a forward needs first (eager == compiled)
-    stale = any(
-        (w := u.dynamic_weight()) is not None and not w.has_fresh_precomputed_scale()
-        for u, _ in units.values()
-    )
-    if not (stale or due or _refresh.needs_check(grouped)):
+    # host-side integer checks per weight (no device sync)
+    stale = any([w._state.fresh_scale() is None for w in weights])
+    if not (stale or due or _needs_check(structures, grouped)):
         return 0, 0
     counts = _refresh.refresh_units(grouped, due, f"refresh ({mode})")
-    for step in steps:
-        if any(id(u.delayed()) in due for u, _ in step._units() if u.delayed() is not None):
+    for step, structure in zip(steps, structures, strict=True):
+        if due and any([id(s) in due for s in structure.delayed]):
             step._synced_epoch = step._epoch
     return counts
+
+
+def _grouped(structure: Structure) -> dict[Group, list[Unit]]:
+    """The structure's units by reduction group, kept while the delayed states' explicit
+    sync groups (`use_group`) stay as they were."""
+    key = [s.sync_group for s in structure.delayed] if structure.delayed else []
+    kept = structure.memo.get("grouped")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    grouped = grouped_units([(u, structure.default) for u in structure.units])
+    structure.memo["grouped"] = (key, grouped)
+    return grouped
+
+
+def _needs_check(structures: list[Structure], grouped: dict[Group, list[Unit]]) -> bool:
+    """`refresh.needs_check`, remembered once false for a structure (its modules stay
+    checked: the checked set only grows, and the structure holds them)."""
+    if len(structures) == 1:
+        if structures[0].memo.get("checked"):
+            return False
+    elif all([st.memo.get("checked") for st in structures]):
+        return False
+    if _refresh.needs_check(grouped):
+        return True
+    for st in structures:
+        st.memo["checked"] = True
+    return False
 
 
 # -- when: the optimizer step hooks and the root forward hook ---------------------------------
@@ -300,7 +330,7 @@ def _refuse_replaced_parameters(optimizer) -> None:
     """An optimizer built before conversion holds Parameters that conversion replaced:
     they are no longer in the model and would train nothing. Checked once per optimizer
     (again after `add_param_group`)."""
-    n = sum(len(g["params"]) for g in optimizer.param_groups)
+    n = sum([len(g["params"]) for g in optimizer.param_groups])
     if _checked_optimizers.get(optimizer) == n:
         return
     for group in optimizer.param_groups:
@@ -366,7 +396,8 @@ AFTER_CONVERSION.append(float8_step)
 def _count_forward(step: Float8Step) -> None:
     # counted outside any compiled region and never by an activation-checkpoint recompute
     # (which does not go through the root's forward)
-    states = [s for u, _ in step._units() if (s := u.delayed()) is not None]
+    structure = step._structure  # checked by the refresh just before
+    states = (structure if structure is not None else step.structure()).delayed
     if not states:
         return
     counter = step._forwards

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -53,8 +54,14 @@ def builds() -> int:
     return _builds[0]
 
 
-def _unit_params(units: list[Unit]) -> tuple[int, ...]:
-    return tuple(id(getattr(u.module, u.name)) for u in units)
+def _unit_params(units: list[Unit]) -> list[tuple[int, int]]:
+    """The id of each unit's parameter and of its local tensor (a DTensor's `_local_tensor`,
+    which `Unit.weight` resolves: replacing it, as `wrap_weight_for_fsdp` does, rebuilds)."""
+    ids = []
+    for u in units:  # a loop, not a comprehension: no call per check (`current`)
+        p = getattr(u.module, u.name)
+        ids.append((id(p), id(getattr(p, "_local_tensor", None))))
+    return ids
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,8 +70,10 @@ class Structure:
     default: Group  # the model's FSDP2 mesh (None: no FSDP2)
     param_ids: frozenset[int]
     built_at: int  # `generation()` when built
-    unit_params: tuple[int, ...]  # id of each unit's parameter when built
+    unit_params: list[tuple[int, int]]  # ids of each unit's parameter when built
     serial: int  # builds in this process before this one
+    # what the float8 step derives from the structure and keeps while it holds (`step.py`)
+    memo: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, model: nn.Module) -> Structure:
@@ -82,23 +91,42 @@ class Structure:
 
     def current(self) -> bool:
         """Nothing registered since the build, and every unit holds the same parameter."""
-        return self.built_at == generation() and self.unit_params == _unit_params(self.units)
+        return self.built_at == _generation[0] and self.unit_params == _unit_params(self.units)
+
+    @cached_property
+    def delayed(self) -> list:
+        """The delayed-scaling states of the units, in order (`Unit.state`)."""
+        return [s for u in self.units if (s := u.state) is not None]
+
+    @cached_property
+    def dynamic(self) -> list:
+        """The dynamic tensorwise float8-gathered weights of the units (`Unit.weight`)."""
+        return [w for u in self.units if (w := u.weight) is not None]
 
 
-# optimizer -> (its parameter count, generation, the structures asked), the steps it holds
+# optimizer -> (its parameter count, generation, each step and its structure's serial),
+# the steps it holds
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def held_by(optimizer: torch.optim.Optimizer, steps: Mapping) -> list:
     """The steps (`{model: step}`) whose model has a parameter the optimizer holds.
-    `step.structure()` gives each step's current `Structure`."""
-    structures = [(s, s.structure()) for s in list(steps.values())]
-    n = sum(len(g["params"]) for g in optimizer.param_groups)
-    key = (n, generation(), tuple(st.serial for _, st in structures))
+    `step.structure()` gives each step's current `Structure`. The answer is kept per
+    optimizer while its parameter count, the registrations, the steps and the structures
+    they last built stand: a hit checks no model's structure (a held step checks its own
+    where it refreshes; a rebuild there is a new serial, so the next call asks again), and
+    costs the same however many models the process holds."""
+    live = list(steps.values())
+    n = sum([len(g["params"]) for g in optimizer.param_groups])
     cached = _HELD.get(optimizer)
-    if cached is not None and cached[0] == key:
-        return [s for ref in cached[1] if (s := ref()) is not None]
+    if cached is not None:
+        built = [(id(s), -1 if (st := s._structure) is None else st.serial) for s in live]
+        key = (n, _generation[0], built)
+        if cached[0] == key:
+            return [s for ref in cached[1] if (s := ref()) is not None]
+    structures = [(s, s.structure()) for s in live]
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     held = [s for s, st in structures if not ids.isdisjoint(st.param_ids)]
+    key = (n, _generation[0], [(id(s), st.serial) for s, st in structures])
     _HELD[optimizer] = (key, [weakref.ref(s) for s in held])
     return held

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -125,16 +126,18 @@ def _gemm(
 def _joint(x2: torch.Tensor, weight: torch.Tensor, plan: CastPlan) -> bool:
     """Whether the output GEMM's input and weight casts run as one (`joint_cast`): in a
     compiled graph (eager, the stacked copy would cost a pass of its own), for a plain
-    high-precision weight (not a gathered one) of the input's dtype."""
+    high-precision weight (not a gathered one) of the input's dtype, with static shapes
+    whose dims are multiples of 16."""
     return (
         torch.compiler.is_compiling()
         and plan.joint_output_cast()
         and not isinstance(weight, (Float8Tensor, Float8WeightWrapper))
         and x2.dtype == weight.dtype
         and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and x2.shape[0] > 0
-        and x2.shape[0] % 16 == 0
-        and weight.shape[0] % 16 == 0
+        # static shapes only (known without a guard): at a dynamic-shape recompile torch
+        # 2.11's Dynamo fails on views at symbolic offsets (separate casts: the same bytes)
+        and statically_known_true(x2.shape[0] > 0)
+        and all(statically_known_true(d % 16 == 0) for d in (*x2.shape, *weight.shape))
     )
 
 
@@ -345,13 +348,15 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
-        if _quantized_elsewhere(weight):  # e.g. torchao's quantize_ for serving: its GEMM
+        gathered = type(weight) is Float8Tensor  # the FSDP2 float8 all-gather's: no checks
+        if not gathered and _quantized_elsewhere(weight):  # e.g. torchao's quantize_: its GEMM
             return F.linear(x, weight, bias)
         if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel/)
             weight, bias = _local_parameters(self, x)
-        if self.config.enable_fsdp_float8_all_gather:
+        if self.config.enable_fsdp_float8_all_gather and not gathered:
             _require_float8_weight(weight)
-        _check_input_dtype(x)
+        if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+            _check_input_dtype(x)
         if torch.is_autocast_enabled(x.device.type):
             if not isinstance(x, Float8Tensor):
                 x = x.to(torch.get_autocast_dtype(x.device.type))

@@ -22,6 +22,7 @@ which says why the inner tensor's `_version` cannot serve).
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -35,7 +36,7 @@ from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.weight_wrappers.cast import WeightCast
-from fsdp_float8.weight_wrappers.state import WeightState, written_args
+from fsdp_float8.weight_wrappers.state import _WRITTEN, WeightState, written_args
 
 aten = torch.ops.aten
 # ops whose output aliases the input's storage: the output shares the wrapper's state
@@ -56,9 +57,12 @@ PRESERVE_WRAPPER = ALIAS_OPS | COPY_OPS | NEW_OPS
 
 def _written_wrappers(func, args, kwargs) -> list[Float8WeightWrapper]:
     written = []
-    for i, name, kwarg_only in written_args(func):
+    found = _WRITTEN.get(func)  # `written_args`, cached: no call per op
+    for i, name, kwarg_only in written_args(func) if found is None else found:
         value = args[i] if not kwarg_only and i < len(args) else kwargs.get(name)
-        written += [t for t in tree_leaves(value) if isinstance(t, Float8WeightWrapper)]
+        for t in tree_leaves(value):  # loops, not comprehensions: every op comes here
+            if isinstance(t, Float8WeightWrapper):
+                written.append(t)
     return written
 
 
@@ -140,20 +144,30 @@ class Float8WeightWrapper(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # every in-place op of the optimizer step comes here: no Python call per tensor
+        # where a C one does (`_inner`), no call for what does not apply
         kwargs = kwargs or {}
-        wrappers = [a for a in _flat(args, kwargs) if isinstance(a, Float8WeightWrapper)]
+        wrappers = []
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, Float8WeightWrapper):
+                wrappers.append(a)
         first = wrappers[0]
         written = _written_wrappers(func, args, kwargs)
-        inherited = _scale_kept_by_copy(func, args, written)
+        inherited = _scale_kept_by_copy(func, args, written) if func is _COPY else None
         for w in written:
             w._state.bump()
         if inherited is not None:
             written[0]._state.stamp_scale(inherited)
-        unwrapped = tree_map_only(Float8WeightWrapper, lambda w: w._tensor, (args, kwargs))
+        unwrapped = tree_map_only(Float8WeightWrapper, _inner, (args, kwargs))
         out = func(*unwrapped[0], **unwrapped[1])
         if func in PRESERVE_WRAPPER:
             with normal_outputs(args, kwargs):  # a view of a normal tensor is normal
                 return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
+        if out is None or isinstance(out, torch.Tensor):  # none or one output: no tree walk
+            for w in wrappers:
+                if w._tensor is out:
+                    return w
+            return out
         inner_to_wrapper = {id(w._tensor): w for w in wrappers}
         return tree_map_only(torch.Tensor, lambda t: inner_to_wrapper.get(id(t), t), out)
 
@@ -174,10 +188,10 @@ class Float8WeightWrapper(torch.Tensor):
         value-dependent state belongs in the shared `WeightState`)."""
 
     # -- scales computed from the current values ---------------------------------------
-    def stamp_scale(self, scale: torch.Tensor, inverse: torch.Tensor | None = None) -> None:
-        """Remember `scale` (and `1 / scale`, when known) as computed from the weight's
-        current values."""
-        self._state.stamp_scale(scale, inverse)
+    def stamp_scale(self, scale: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Remember `scale` as computed from the weight's current values; `scales`, when
+        known: (scale, 1 / scale) as one 2-element tensor whose [0] is `scale`."""
+        self._state.stamp_scale(scale, scales)
 
     def fresh_stamped_scale(self) -> torch.Tensor | None:
         """The stamped scale while the weight is unchanged since, else None (no sync)."""
@@ -230,13 +244,18 @@ class Float8WeightWrapper(torch.Tensor):
     def needs_row_shards(self) -> bool:
         """Whether each shard must hold whole rows (per-row, block or tile scales are cut
         along dim 0): true for every format but a tensorwise scale, which covers any cut."""
-        return self.per_row
+        return self._cast.per_row
 
     # the one hook pair: a subclass says how its shard is packed (`pack_shard`); the metadata
     # record it returns says how the gathered outputs become the unsharded weight
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        # the pack of the last unshard while values and stamp stand (backward's re-gather,
+        # the next micro-batch): made under the same key, so it passed the checks below
+        packed = self._state.packed_for((mesh, tuple(outer_size), self.shape))
+        if packed is not None:
+            return packed
         _refuse_cpu_offload(self, module)
-        if self.needs_row_shards:
+        if self.needs_row_shards and tuple(self.shape[1:]) != tuple(outer_size[1:]):
             _refuse_shards_across_rows(self, outer_size, module)
         # scales, stamps and packs outlive this unshard (training reuses them): never
         # inference tensors, also when the first forward runs under torch.inference_mode()
@@ -258,41 +277,46 @@ class Float8WeightWrapper(torch.Tensor):
 
     def pack_shard(self, mesh, outer_size, module):
         """(all-gather inputs, metadata) of this shard: tensorwise or rowwise float8 here;
-        other formats (block scales, 4-bit) pack their own."""
+        other formats (block scales, 4-bit) pack their own. A pack made from values and a
+        stamp that stand until the next write is kept (`remember_pack`) for the next
+        unshard, which `fsdp_pre_all_gather` answers with it."""
         # a tensorwise scale covers every shard of the weight (FSDP's and tensor parallel's);
         # per-row scales only the shards that split a row (a row-parallel weight's TP dim)
         sharded = getattr(module, self.param_name, None)
-        emulate, shards = self._cast.emulate, mesh.size()
+        cast = self._cast
+        emulate, shards, dtype = cast.emulate, mesh.size(), cast.float8_dtype
         # a dynamic scale's amax covers the shard (its own, or the whole weight's)
-        saturate = not self.strategy.own_amax
-        place = self._cast.place
-        if self.per_row:
+        saturate = not cast.strategy.own_amax
+        place = cast.place
+        if cast.per_row:
             place.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
             group = shard_group(sharded, (self.ROW_SCALE_DIM,), None)
             # the scale comes from the shard's values alone (no collective, so ranks cannot
             # disagree on whether to run one): the pack is reusable while they stand
-            key = (mesh, tuple(outer_size), "rows")
-            reusable = group is None and self.strategy.own_amax
-            if reusable and (packed := self._state.packed_for(key)) is not None:
-                return packed
+            reusable = group is None and cast.strategy.own_amax
             scale = self.float8_scale(group)
-            data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
+            data = cast_to_float8_data(self._tensor, scale, dtype, saturate=saturate)
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows
             mid = tuple(outer_size[1:-1])
             packed = place.pack(data, scale, emulate, mid, shards=shards)
         else:
             scale = self.float8_scale(shard_group(sharded, None, mesh))
-            # the float8 step's stamp (fresh: a new tensor per refresh, written by nothing):
-            # the pack is reusable while the values and the stamp stand
-            inverse = self._state.inverse_of(scale)
-            key = (mesh, tuple(outer_size), scale, scale._version)
-            reusable = inverse is not None
-            if reusable and (packed := self._state.packed_for(key)) is not None:
-                return packed
-            data = cast_to_float8_data(self._tensor, scale, self.float8_dtype, saturate=saturate)
-            packed = place.pack(data, scale, outer_size, shards, emulate, inverse)
+            # the float8 step's stamp (fresh: a new tensor per refresh, written by nothing)
+            # with its inverse: the pack is reusable while the values and the stamp stand
+            scales = self._state.stamped_scales(scale)
+            reusable = scales is not None
+            data = cast_to_float8_data(self._tensor, scale, dtype, saturate=saturate)
+            packed = place.pack(data, scale, outer_size, shards, emulate, scales)
         if reusable:  # backward's re-gather and the next micro-batch's reuse it
-            self._state.remember_pack(key, packed)
+            self._state.remember_pack((mesh, tuple(outer_size), self.shape), packed)
+        return packed
+
+    def keep_stamped_pack(self, packed, scale: torch.Tensor, mesh, outer_size):
+        """`packed` kept for the next unshard when `scale` is the float8 step's stamp (made
+        from the values that stand until the next write), as `pack_shard` keeps its own."""
+        # the stamp itself: `scale` came from `fresh_scale()` in this pack, or was made anew
+        if scale is self._state._scale:
+            self._state.remember_pack((mesh, tuple(outer_size), self.shape), packed)
         return packed
 
 
@@ -326,8 +350,8 @@ def _refuse_shards_across_rows(shard: Float8WeightWrapper, outer_size, module) -
         )
 
 
-def _flat(args, kwargs):
-    return tree_leaves((args, kwargs))
+_COPY = aten.copy_.default
+_inner = operator.attrgetter("_tensor")  # a wrapper's inner tensor (C: no Python call)
 
 
 def _scale_kept_by_copy(func, args, written) -> torch.Tensor | None:

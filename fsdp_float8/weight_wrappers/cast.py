@@ -10,7 +10,7 @@ The config stays in the record only as the wrapper's serialized form (pickling,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -31,6 +31,13 @@ class WeightCast:
     power_of_2: bool  # scales rounded down to a power of two (the strategy's rule)
     emulate: bool
     static_scale: float | None
+    # the family's answers, read by the hooks every step: plain fields, no lookup per read
+    per_row: bool = field(init=False)  # per-output-row scales: local to each dim-0 shard
+    needs_global_amax: bool = field(init=False)  # the shard's scale: the whole weight's amax
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "per_row", self.family.per_row)
+        object.__setattr__(self, "needs_global_amax", self.family.needs_global_amax)
 
     @classmethod
     def of(cls, config: Float8LinearConfig) -> WeightCast:
@@ -52,16 +59,6 @@ class WeightCast:
             emulate=config.emulate,
             static_scale=cast.static_scale,
         )
-
-    @property
-    def per_row(self) -> bool:
-        """Per-output-row scales: local to each dim-0 shard, gathered with the data."""
-        return self.family.per_row
-
-    @property
-    def needs_global_amax(self) -> bool:
-        """The shard's scale comes from the whole weight's amax."""
-        return self.family.needs_global_amax
 
     @property
     def place(self) -> ModuleType:

@@ -29,21 +29,23 @@ class DynamicFloat8Weight(Float8WeightWrapper):
         return scale_from_amax(amaxes, float8_dtype, power_of_2=power_of_2)
 
     def set_precomputed_scale(
-        self, scale: torch.Tensor, inverse: torch.Tensor | None = None
+        self, scale: torch.Tensor, scales: torch.Tensor | None = None
     ) -> None:
-        self.stamp_scale(scale, inverse)
+        """Store the next all-gather's scale; `scales`: (scale, 1 / scale) as one 2-element
+        tensor whose [0] is `scale` (the refresh computes all inverses in one op)."""
+        self._state.stamp_scale(scale, scales)
 
     def needs_refresh(self) -> bool:
-        return self.needs_global_amax and not self.has_fresh_precomputed_scale()
+        return self._cast.needs_global_amax and self._state.fresh_scale() is None
 
     def has_fresh_precomputed_scale(self) -> bool:
         """True while the scale stored by the last precompute matches the current values
         (host-side integer checks, no device sync)."""
-        return self.fresh_stamped_scale() is not None
+        return self._state.fresh_scale() is not None
 
     def float8_scale(self, mesh) -> torch.Tensor:
-        if self.needs_global_amax:
-            precomputed = self.fresh_stamped_scale()
+        if self._cast.needs_global_amax:
+            precomputed = self._state.fresh_scale()
             if precomputed is not None:
                 return precomputed
         # the shard's amax MAX-reduced over `mesh`: the shard mesh (tensorwise); rowwise,

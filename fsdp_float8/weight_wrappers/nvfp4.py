@@ -163,7 +163,7 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
     def global_amax(self, mesh) -> torch.Tensor:
         """The whole weight's amax: the stamp of the last refresh while the weight is
         unchanged since, else this shard's amax MAX-reduced over `mesh`."""
-        stamped = self.fresh_stamped_scale()
+        stamped = self._state.fresh_scale()
         if stamped is not None:
             return stamped
         return reduce_amaxes([tensor_amax(self._tensor)], mesh).reshape(())
@@ -178,23 +178,13 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
         sharded = getattr(module, self.param_name, None)
         amax = self.global_amax(shard_group(sharded, None, mesh))
-        # the float8 step's stamp (no collective ran, so every rank decides alike): the pack
-        # is reusable while the values and the stamp stand (backward's re-gather, the next
-        # micro-batch). An amax MAX-reduced here is a new tensor at each gather, so the
-        # shard is quantized again: telling an equal amax apart would read it on the host
-        key = (mesh, tuple(outer_size), amax, amax._version)
-        reusable = amax is self.fresh_stamped_scale()
-        if reusable and (packed := self._state.packed_for(key)) is not None:
-            return packed
         q = nvfp4.quantize(self._tensor, amax, TILE)
         tiles = q.block_inv_scale.view(torch.uint8)
         if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
             packed = (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)
         else:
             packed = (q.packed, tiles), NVFP4Gather(q.tensor_inv_scale)
-        if reusable:
-            self._state.remember_pack(key, packed)
-        return packed
+        return self.keep_stamped_pack(packed, amax, mesh, outer_size)  # backward reuses it
 
 
 def gemm_operand(record: nvfp4.NVFP4, operands: GatheredOperands, gemm: Gemm) -> nvfp4.GemmOperand:
@@ -237,9 +227,10 @@ class NVFP4Gather:
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
         packed = outputs[0]
-        if not isinstance(out, NVFP4Weight) or not _same_storage(out.packed, packed):
+        record = out.record if isinstance(out, NVFP4Weight) else None  # its fields: no calls
+        if record is None or not _same_storage(record.packed, packed):
             raise TypeError(f"expected the unsharded NVFP4Weight over {tuple(packed.shape)}")
-        out.tensor_inv.copy_(self.tensor_inv)
+        record.tensor_inv_scale.copy_(self.tensor_inv)
         if self.local_tiles is not None:
             out.tiles.view(torch.uint8).copy_(self.local_tiles)
         if out.operands is not None:

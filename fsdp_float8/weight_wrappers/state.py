@@ -30,14 +30,16 @@ class WeightState:
     """
 
     __slots__ = (
-        "generation", "blank", "_scale", "_inverse", "_scale_generation", "_inners", "_packed"
+        "generation", "blank", "_scale", "_scales", "_scale_generation", "_inners", "_packed"
     )  # fmt: skip
 
     def __init__(self, *, blank: bool = False) -> None:
         self.generation = 0
         self.blank = blank
         self._scale: torch.Tensor | None = None
-        self._inverse: torch.Tensor | None = None  # 1 / _scale, when the stamp brought it
+        # the stamp's (scale, 1 / scale) as one 2-element tensor whose [0] is `_scale`, when
+        # the stamp brought the inverse: the one record of both (`stamp_scale`)
+        self._scales: torch.Tensor | None = None
         self._scale_generation = -1
         # id(inner) -> (weakref to it, its _version when registered or stamped)
         self._inners: dict[int, tuple[weakref.ref, int]] = {}
@@ -70,29 +72,64 @@ class WeightState:
 
     def remember_pack(self, key: tuple, packed: object) -> None:
         """Keep a shard's packed all-gather inputs, valid while the values do not change
-        (the same checks as a stamped scale's) and for the same `key`."""
-        self._packed = (key, self.generation, self._versions(), packed)
+        (the same checks as a stamped scale's), the stamp stands (the same stamped tensor,
+        not written since) and for the same `key`."""
+        scale = self._scale
+        stamp = None if scale is None else (scale, scale._version)
+        self._packed = (key, self.generation, self._versions(), stamp, packed)
 
     def packed_for(self, key: tuple) -> object | None:
-        """What `remember_pack` kept for `key` if no write happened since, else None."""
+        """What `remember_pack` kept for `key` if no write happened since and the stamp
+        stands, else None. Keys hold objects (meshes) compared by identity and plain values
+        (ints, shapes) compared by value. One call on the hot path: the all-gather hook asks
+        it first, for every weight, at every unshard."""
         if self._packed is None:
             return None
-        k, generation, versions, packed = self._packed
-        same_key = len(k) == len(key) and all(map(_same, k, key))
-        if same_key and generation == self.generation and versions == self._versions():
-            return packed
-        return None
+        k, generation, versions, stamp, packed = self._packed
+        if generation != self.generation or len(k) != len(key):
+            return None
+        for a, b in zip(k, key, strict=True):
+            if a is not b and not (isinstance(a, _PLAIN) and isinstance(b, _PLAIN) and a == b):
+                return None
+        scale = self._scale
+        if stamp is None:
+            if scale is not None:
+                return None
+        elif scale is not stamp[0] or scale._version != stamp[1]:
+            return None
+        seen = 0
+        for key_, (ref, _) in self._inners.items():
+            inner = ref()
+            if inner is not None:
+                if versions.get(key_) != inner._version:
+                    return None
+                seen += 1
+        return packed if seen == len(versions) else None
 
     def _versions(self) -> dict[int, int]:
-        return {k: t._version for k, (ref, _) in self._inners.items() if (t := ref()) is not None}
+        versions = {}
+        for k, (ref, _) in self._inners.items():  # a loop: no comprehension call
+            t = ref()
+            if t is not None:
+                versions[k] = t._version
+        return versions
 
-    def stamp_scale(self, scale: torch.Tensor, inverse: torch.Tensor | None = None) -> None:
-        self._scale, self._inverse, self._scale_generation = scale, inverse, self.generation
-        self._refresh_versions()
+    def stamp_scale(self, scale: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+        """Stamp `scale` as computed from the current values; `scales`: (scale, 1 / scale)
+        as one 2-element tensor whose [0] is `scale`, when the caller has the inverse."""
+        self._scale, self._scales, self._scale_generation = scale, scales, self.generation
+        self._packed = None  # made with the previous stamp: free it
+        for key, (ref, _) in list(self._inners.items()):  # each inner's version, now
+            inner = ref()
+            if inner is None:
+                del self._inners[key]
+            else:
+                self._inners[key] = (ref, inner._version)
 
-    def inverse_of(self, scale: torch.Tensor) -> torch.Tensor | None:
-        """The stamped `1 / scale` when `scale` is the stamped scale and came with it."""
-        return self._inverse if scale is self._scale else None
+    def stamped_scales(self, scale: torch.Tensor) -> torch.Tensor | None:
+        """The stamp's (scale, 1 / scale) when `scale` is the stamped scale and came with
+        its inverse, else None."""
+        return self._scales if scale is self._scale else None
 
     def fresh_scale(self) -> torch.Tensor | None:
         """The stamped scale if no write happened since, else None (host-side, no sync)."""
@@ -112,22 +149,11 @@ class WeightState:
         new.register(inner)
         scale = self.fresh_scale()
         if scale is not None:
-            new.stamp_scale(scale, self._inverse)
+            new.stamp_scale(scale, self._scales)
         return new
 
-    def _refresh_versions(self) -> None:
-        for key, (ref, _) in list(self._inners.items()):
-            inner = ref()
-            if inner is None:
-                del self._inners[key]
-            else:
-                self._inners[key] = (ref, inner._version)
 
-
-def _same(a: object, b: object) -> bool:
-    """Objects (tensors, meshes) by identity; plain values (ints, shapes, names) by value."""
-    plain = (int, float, str, tuple)
-    return a is b or (isinstance(a, plain) and isinstance(b, plain) and a == b)
+_PLAIN = (int, float, str, tuple)  # key values compared by value (the rest by identity)
 
 
 _WRITTEN: dict[object, tuple[tuple[int, str, bool], ...]] = {}

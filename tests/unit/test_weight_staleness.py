@@ -147,3 +147,34 @@ def test_aliases_made_per_forward_do_not_pile_up():
     for _ in range(20):
         model(torch.randn(2, 32)).sum().backward()  # each cast takes a detached alias
     assert len(_weight(model)._state._inners) <= 3
+
+
+def test_a_kept_pack_is_answered_only_while_values_key_and_stamp_stand():
+    """`WeightState.packed_for`, which the all-gather hook asks first: the pack kept under
+    a key comes back for the same key (objects by identity, plain values by value) and is
+    refused after a write into the values, a new stamp, or a write into the stamp."""
+    from fsdp_float8.weight_wrappers.state import WeightState
+
+    inner, mesh = torch.randn(4, 4), object()
+    key = (mesh, (8, 4), torch.Size([4, 4]))
+
+    def kept(mutate) -> object:
+        state = WeightState()
+        state.register(inner)
+        pair = torch.tensor([2.0, 0.5])
+        state.stamp_scale(pair[0], pair)
+        state.remember_pack(key, "pack")
+        mutate(state, pair)
+        return state.packed_for(key)
+
+    assert kept(lambda s, p: None) == "pack"
+    same_values = (mesh, (8, 4), (4, 4))
+    state = WeightState()
+    state.remember_pack(key, "pack")
+    assert state.packed_for(same_values) == "pack"
+    assert state.packed_for((object(), (8, 4), (4, 4))) is None  # another mesh
+    assert state.packed_for((mesh, (9, 4), (4, 4))) is None  # another outer size
+    assert kept(lambda s, p: s.bump()) is None  # an in-place op through a wrapper
+    assert kept(lambda s, p: inner.add_(0)) is None  # a direct write into the inner tensor
+    assert kept(lambda s, p: s.stamp_scale(torch.tensor(3.0))) is None  # a new stamp
+    assert kept(lambda s, p: p.mul_(1)) is None  # a write into the stamp
