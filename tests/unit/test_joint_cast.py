@@ -1,7 +1,7 @@
 """The output GEMM's input and weight cast as one (`formats.tensorwise.joint_cast`, what a
-compiled tensorwise `Float8Linear` with a plain weight runs): the same float8 bytes and
-scales as the two separate casts, in both layouts, and the layer's compiled results equal
-to eager ones, bit for bit."""
+compiled tensorwise `Float8Linear` with a plain weight runs on a GPU): the same float8 bytes
+and scales as the two separate casts, in both layouts, and the layer's compiled results
+equal to eager ones, bit for bit. The GPU-codegen lane counts its kernels."""
 
 from __future__ import annotations
 
@@ -79,6 +79,8 @@ def test_compiled_layer_equals_eager(tokens, monkeypatch):
         return joint_cast(*args)
 
     monkeypatch.setattr(linear_module, "joint_cast", counted)
+    # a GPU's path, taken here on the CPU (`JOINT_CAST_DEVICES`): the same graph code
+    monkeypatch.setattr(linear_module, "JOINT_CAST_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     eager = Float8Linear.from_float(
         nn.Linear(64, 48, bias=False), make_config("tensorwise", "dynamic")
@@ -88,3 +90,15 @@ def test_compiled_layer_equals_eager(tokens, monkeypatch):
     for a, b in zip(_steps(eager, xs), _steps(compiled, xs), strict=True):
         assert torch.equal(a, b)
     assert bool(traced) == (tokens % 16 == 0)  # while tracing only: never in eager
+
+
+def test_cpu_compile_keeps_the_separate_casts(monkeypatch):
+    """On the CPU a compiled layer casts input and weight apart (CPU Inductor lowers the
+    stacked form into more kernels)."""
+    traced = []
+    monkeypatch.setattr(linear_module, "joint_cast", lambda *a: traced.append(1))
+    layer = Float8Linear.from_float(
+        nn.Linear(64, 48, bias=False), make_config("tensorwise", "dynamic")
+    )
+    torch.compile(layer, backend="aot_eager", fullgraph=True)(torch.randn(32, 64))
+    assert traced == []
