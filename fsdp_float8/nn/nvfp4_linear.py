@@ -58,6 +58,10 @@ class NVFP4Config:
     hadamard_grad_weight: the random Hadamard transform on grad_weight's operands.
     stochastic_rounding: stochastic rounding of grad_output (both of its GEMMs).
     seed: the seed of the Hadamard signs and the rounding draws.
+    four_over_six: every NVFP4 cast of the layer (input, weight, grad_output, both
+      grad_weight operands, and the weight's FP4 all-gather) encodes each block scaled to
+      6 and to 4 and keeps the closer one, with the tensor factor amax / (6 * 256)
+      (`core/nvfp4.py`). Composes with stochastic rounding and the Hadamard transform.
     emulate: emulated GEMMs (dequantize, float32 matmul) on CUDA too, e.g. on a device below
       SM100; CPU always emulates (it has no FP4 GEMM).
     """
@@ -67,6 +71,7 @@ class NVFP4Config:
     stochastic_rounding: bool = True
     seed: int = 0
     emulate: bool = False
+    four_over_six: bool = False
     # what conversion reads of any layer config
     pad_inner_dim: ClassVar[bool] = False
     linear_class: ClassVar[type]  # set below: NVFP4Linear
@@ -77,6 +82,7 @@ class NVFP4Config:
             "hadamard_grad_weight",
             "stochastic_rounding",
             "emulate",
+            "four_over_six",
         ):
             if type(getattr(self, name)) is not bool:
                 raise Float8ConfigError(
@@ -110,12 +116,12 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return tensor_amax(t).reshape(())
 
 
-def _weight_record(weight: torch.Tensor) -> nvfp4.NVFP4:
+def _weight_record(weight: torch.Tensor, four_over_six: bool) -> nvfp4.NVFP4:
     """The weight in 16x16 tiles: as FSDP2 gathered it, or quantized here (unsharded)."""
     if isinstance(weight, NVFP4Weight):
         return weight.record
     hp = plain_weight(weight)
-    return nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK)
+    return nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK, four_over_six=four_over_six)
 
 
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -129,9 +135,10 @@ class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer: NVFP4Linear):
         x2 = x.reshape(-1, x.shape[-1])
-        qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK)
-        emulate = layer.config.emulate
-        out = nvfp4.nvfp4_mm(qx, _weight_record(weight), x.dtype, emulate=emulate)
+        cfg = layer.config
+        fos = cfg.four_over_six
+        qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK, four_over_six=fos)
+        out = nvfp4.nvfp4_mm(qx, _weight_record(weight, fos), x.dtype, emulate=cfg.emulate)
         ctx.save_for_backward(x2, weight)
         ctx.layer = layer  # no shape on ctx: a symbolic one breaks torch 2.11's Dynamo
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -144,18 +151,19 @@ class _NVFP4LinearFn(torch.autograd.Function):
         x_shape = (*grad_out.shape[:-1], x2.shape[-1])
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])
         cfg = layer.config
-        sr = cfg.stochastic_rounding
+        sr, fos = cfg.stochastic_rounding, cfg.four_over_six
+        act = nvfp4.ACTIVATION_BLOCK
         gen = _draws(grad_out, layer.layer_seed, 0) if sr else None
-        qgo = nvfp4.quantize(grad_out, _amax(grad_out), nvfp4.ACTIVATION_BLOCK, generator=gen)
-        qwt = nvfp4.transposed(_weight_record(weight))
+        qgo = nvfp4.quantize(grad_out, _amax(grad_out), act, generator=gen, four_over_six=fos)
+        qwt = nvfp4.transposed(_weight_record(weight, fos))
         grad_x = nvfp4.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
         go_t, x_t = _pad_tokens(grad_out.t()), _pad_tokens(x2.t())
         if cfg.hadamard_grad_weight:
             matrix = layer.hadamard(grad_out.device)
             go_t, x_t = nvfp4.rht(go_t.float(), matrix), nvfp4.rht(x_t.float(), matrix)
         gen = _draws(go_t, layer.layer_seed, 1) if sr else None
-        qgo_t = nvfp4.quantize(go_t, _amax(go_t), nvfp4.ACTIVATION_BLOCK, generator=gen)
-        qx_t = nvfp4.quantize(x_t, _amax(x_t), nvfp4.ACTIVATION_BLOCK)
+        qgo_t = nvfp4.quantize(go_t, _amax(go_t), act, generator=gen, four_over_six=fos)
+        qx_t = nvfp4.quantize(x_t, _amax(x_t), act, four_over_six=fos)
         grad_w = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
         return grad_x.reshape(x_shape), grad_w, None
 
@@ -272,7 +280,8 @@ class NVFP4Linear(nn.Linear):
         flags = f"hadamard_gw={c.hadamard_grad_weight}, sr_go={c.stochastic_rounding}"
         fsdp = ", fsdp_nvfp4_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
         emulate = ", emulate=True" if c.emulate else ""
-        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}{emulate}"
+        fos = ", four_over_six=True" if c.four_over_six else ""
+        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}{emulate}{fos}"
 
 
 NVFP4Config.linear_class = NVFP4Linear
