@@ -147,7 +147,7 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
         sharded = getattr(module, self.param_name, None)
         amax = self.global_amax(shard_group(sharded, None, mesh))
-        four_over_six = self._config.four_over_six  # type: ignore[attr-defined]  # NVFP4Config
+        four_over_six = self._config.four_over_six  # an NVFP4Config
         q = nvfp4.quantize(self._tensor, amax, TILE, four_over_six=four_over_six)
         tiles = q.block_inv_scale.view(torch.uint8)
         if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
