@@ -32,18 +32,21 @@ Four-over-six (`quantize(..., four_over_six=True)`, `NVFP4Config(four_over_six=T
 block is encoded twice, with the block factor that maps its amax to 6 (as above) and with
 the one that maps it to 4 (block_amax / (4 * tensor_inv_scale)); the encoding whose sum of
 squared dequantization errors over the block (float32) is smaller is kept, per block (a tie
-keeps 6). Scaled to 4, the top of a block is coded on the grid 3, 4 (and 6 for what the
-rounded factor pushes up) instead of 4, 6: a block whose large elements sit near 5 loses
-less. The tensor factor is max(amax, TENSOR_AMAX_FLOOR) / (6 * 256) (`tensor_inv_scale`'s
-bound): a block whose amax is the tensor's then gets the 6-factor 256 and the 4-factor
-256 * 6 / 4 = 384, both exact e4m3 values within 448, so neither candidate clamps (any bound
-b with 1.5 * b <= 448 would do; 256, a power of two, is the published choice). The format is
-NVFP4's: dequantization and the GEMMs are unchanged. With stochastic rounding both
-candidates' factors are rounded up and the choice compares their round-to-nearest errors,
-so it does not depend on the draws; the chosen encoding is then cast stochastically, as
-unbiased as NVFP4's. For 16x16 tiles each candidate's error is the sum over the tile's
-rows then columns plus the sum over its columns then rows, each added in a fixed order, so
-the choice, and `transposed(quantize(W))` == `quantize(W.T)`, holds bit for bit.
+keeps 6). Scaled to 4 a block uses the codes up to 4 only, its top values on the steps 3, 4
+instead of 4, 6: a block whose values sit near 5/6 of its amax loses less. The tensor factor
+is t = max(amax, TENSOR_AMAX_FLOOR) / (6 * b) with b = 256 (`tensor_inv_scale`'s bound).
+Derivation: a block's amax is at most the amax passed, so its 6-factor block_amax / (6 t)
+is at most b = 256 and its 4-factor block_amax / (4 t) at most 6 b / 4 = 384, both e4m3
+values below 448: no candidate clamps. (t is rounded to float32, which may put a quotient a
+hair above its bound: rounded to nearest it is still 256 or 384, rounded up, for stochastic
+casts, at most 288 or 416.) The condition is 1.5 b <= 448 (b <= 298.7); 256 is the recipe's
+bound, a power of two. The format is NVFP4's: dequantization and the GEMMs are unchanged.
+With stochastic rounding both candidates' factors are rounded up and the choice compares
+their round-to-nearest errors, so it does not depend on the draws; the chosen encoding is
+then cast stochastically, as unbiased as NVFP4's. For 16x16 tiles each candidate's error is
+the sum over the tile's rows then columns plus the sum over its columns then rows, each
+added in a fixed order, so the choice, and `transposed(quantize(W))` == `quantize(W.T)`,
+holds bit for bit.
 
 Rounding: to nearest, ties to the even code (the mantissa bit 0), or stochastic (round up
 with probability equal to the distance from the lower neighbour over the gap, from a
@@ -110,7 +113,7 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 i
 BLOCK_INV_SCALE_MIN = 2.0**-9  # e4m3's smallest subnormal
 TENSOR_AMAX_FLOOR = E2M1_MAX * E4M3_MAX * 2.0**-117  # tensor_inv_scale >= 2^-117
 # four-over-six: the e4m3 block factor of the tensor's amax block scaled to 6; scaled to 4
-# it is 256 * 6 / 4 = 384 <= 448 (the module docstring)
+# it is 256 * 6 / 4 = 384 <= 448, so neither candidate clamps (the module docstring derives it)
 FOUR_OVER_SIX_BLOCK_BOUND = 256.0
 FOUR_OVER_SIX_TARGETS = (E2M1_MAX, 4.0)  # the two block amax targets, 6 first (ties keep it)
 

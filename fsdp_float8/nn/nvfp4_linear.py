@@ -9,6 +9,10 @@ The recipe (NVIDIA's NVFP4 pretraining recipe):
 - grad_weight `grad_out.T @ x`: both operands transformed by a 16x16 random Hadamard
   matrix along the token dim (their contraction dim, padded with zero tokens to a multiple
   of 16), then quantized in 1x16 blocks along it; grad_out stochastically rounded.
+With `NVFP4Config(four_over_six=True)` every one of these casts (and the weight's FP4
+all-gather) scales each block's amax to 6 or to 4, whichever dequantizes closer, with the
+tensor factor amax / (6 * 256) (`core/nvfp4.py`); stochastic rounding and the Hadamard
+transform act as above.
 Every amax is the tensor's own (dynamic), except the weight's under FSDP2, which is the
 whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4.nvfp4_mm`) are cuBLAS FP4
 GEMMs on CUDA SM100+ (Blackwell); on CPU, which has no FP4 GEMM, and with `emulate=True`
