@@ -31,6 +31,7 @@ CONFIGS: dict[str, list[str]] = {
     "blockwise": ["--recipe", "blockwise"],
     "mxfp8": ["--recipe", "mxfp8", "--fp8-all-gather"],
     "nvfp4": ["--recipe", "nvfp4", "--fp8-all-gather"],
+    "nvfp4_4over6": ["--recipe", "nvfp4_4over6", "--fp8-all-gather"],
 }
 BASELINE = "bf16"
 HEADERS = ["config", "final train loss (avg 10)", "val loss", "val vs bf16", "tokens/s"]

@@ -27,12 +27,15 @@ from fsdp_float8 import (
 )
 from fsdp_float8.nn.convert import dims_divisible_by_16
 
-RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4")
+# nvfp4_4over6: NVFP4 with four-over-six block scales (NVFP4Config(four_over_six=True))
+NVFP4_RECIPES = ("nvfp4", "nvfp4_4over6")
+RECIPES = ("off", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+RECIPES += NVFP4_RECIPES
 SCALINGS = ("dynamic", "delayed", "static")
 # float8 all-gather by default: tensorwise, and mxfp8 (every linear of the tiny preset has
 # whole 32-row blocks per rank); not blockwise: the tiny preset's wk/wv have 64 rows per
 # rank on 2 ranks, not whole 128-row blocks, which a block all-gather refuses
-DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8", "nvfp4")  # nvfp4: 16-row tiles
+DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8", *NVFP4_RECIPES)  # nvfp4: 16-row tiles
 # static scales multiply hp values into float8 range: roughly fp8_max / expected amax
 DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
 # flags that act only on float8 layers, as (attribute, flag, is it set?)
@@ -66,18 +69,20 @@ _NOT_NVFP4 = (
 
 def float8_config(args: argparse.Namespace) -> Float8LinearConfig | NVFP4Config | None:
     """The float8 config the flags ask for (None for ``--recipe off``; an NVFP4Config for
-    ``--recipe nvfp4``); exits with the config's own message when the combination is
+    ``--recipe nvfp4`` and ``nvfp4_4over6``); exits with the config's own message when the combination is
     refused."""
     if args.recipe == "off":
         return None
-    if args.recipe == "nvfp4":
+    if args.recipe in NVFP4_RECIPES:
         if args.scaling != "dynamic":
             raise SystemExit(
-                f"--scaling {args.scaling} with --recipe nvfp4: NVFP4 scales are dynamic "
-                "(each tensor's own amax); use --scaling dynamic"
+                f"--scaling {args.scaling} with --recipe {args.recipe}: NVFP4 scales are "
+                "dynamic (each tensor's own amax); use --scaling dynamic"
             )
         return NVFP4Config(
-            enable_fsdp_float8_all_gather=default_all_gather(args), emulate=args.emulate
+            enable_fsdp_float8_all_gather=default_all_gather(args),
+            emulate=args.emulate,
+            four_over_six=args.recipe == "nvfp4_4over6",
         )
     overrides: dict = {
         "enable_fsdp_float8_all_gather": default_all_gather(args),
@@ -150,7 +155,7 @@ def describe(a: argparse.Namespace) -> str:
     parts = ["off"]
     if a.recipe != "off":
         all_gather = default_all_gather(a)
-        low = "fp4-all-gather" if a.recipe == "nvfp4" else "fp8-all-gather"
+        low = "fp4-all-gather" if a.recipe in NVFP4_RECIPES else "fp8-all-gather"
         parts = [f"{a.recipe}/{a.scaling}", low if all_gather else "hp-all-gather"]
         if all_gather and a.scaling == "dynamic" and a.recipe == "tensorwise":
             parts.append("precompute" if a.precompute else "no-precompute")
@@ -185,9 +190,9 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             parse_static_scales(args.static_scales)
         except ValueError as err:
             problems.append(str(err))
-    if args.recipe == "nvfp4":
+    if args.recipe in NVFP4_RECIPES:
         problems += [
-            f"{flag} has no effect with --recipe nvfp4 ({why}); drop it"
+            f"{flag} has no effect with --recipe {args.recipe} ({why}); drop it"
             for attr, flag, is_set, why in _NOT_NVFP4
             if is_set(getattr(args, attr))
         ]
@@ -214,7 +219,7 @@ def _nvfp4_expert_problems(args: argparse.Namespace) -> list[str]:
         return []
     named = ", ".join(experts[:2]) + (", ..." if len(experts) > 2 else "")
     return [
-        f"--recipe nvfp4 cannot convert the experts of --preset {args.preset} ({named}: no "
+        f"--recipe {args.recipe} cannot convert the experts of --preset {args.preset} ({named}: no "
         "NVFP4 grouped GEMM); keep them in high precision with --float8-skip "
         "'*.feed_forward.experts', or use a float8 --recipe (e.g. rowwise)"
     ]

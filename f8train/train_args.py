@@ -25,7 +25,7 @@ from f8train.data import (
     val_batches_available,
     val_tokens,
 )
-from f8train.float8_flags import RECIPES, SCALINGS, flag_problems
+from f8train.float8_flags import NVFP4_RECIPES, RECIPES, SCALINGS, flag_problems
 from f8train.model import PRESETS, build_args
 
 
@@ -257,9 +257,9 @@ def tp_problem(args: argparse.Namespace) -> str | None:
         return f"--seq-len {args.seq_len} is not a multiple of --tp {args.tp} (sequence parallel)"
     if args.recipe != "off" and args.scaling == "delayed":
         return "delayed scaling is not supported under tensor parallelism; use --scaling dynamic"
-    if args.recipe == "nvfp4":
+    if args.recipe in NVFP4_RECIPES:
         return (
-            "--recipe nvfp4 is not supported under tensor parallelism (NVFP4 layers have no "
+            f"--recipe {args.recipe} is not supported under tensor parallelism (NVFP4 layers have no "
             "tensor-parallel sharding); use --recipe tensorwise, rowwise or rowwise_with_gw_hp "
             "with --tp, or drop --tp"
         )

@@ -28,6 +28,26 @@ MAX-reduced amax of the whole weight and all quantize alike):
   amax): that block saturates, as the float8 casts do.
 - the element cast sees x / float32(block_inv_scale * tensor_inv_scale), clamped to [-6, 6].
 
+Four-over-six (`quantize(..., four_over_six=True)`, `NVFP4Config(four_over_six=True)`): each
+block is encoded twice, with the block factor that maps its amax to 6 (as above) and with
+the one that maps it to 4 (block_amax / (4 * tensor_inv_scale)); the encoding whose sum of
+squared dequantization errors over the block (float32) is smaller is kept, per block (a tie
+keeps 6). Scaled to 4 a block uses the codes up to 4 only, its top values on the steps 3, 4
+instead of 4, 6: a block whose values sit near 5/6 of its amax loses less. The tensor factor
+is t = max(amax, TENSOR_AMAX_FLOOR) / (6 * b) with b = 256 (`tensor_inv_scale`'s bound).
+Derivation: a block's amax is at most the amax passed, so its 6-factor block_amax / (6 t)
+is at most b = 256 and its 4-factor block_amax / (4 t) at most 6 b / 4 = 384, both e4m3
+values below 448: no candidate clamps. (t is rounded to float32, which may put a quotient a
+hair above its bound: rounded to nearest it is still 256 or 384, rounded up, for stochastic
+casts, at most 288 or 416.) The condition is 1.5 b <= 448 (b <= 298.7); 256 is the recipe's
+bound, a power of two. The format is NVFP4's: dequantization and the GEMMs are unchanged.
+With stochastic rounding both candidates' factors are rounded up and the choice compares
+their round-to-nearest errors, so it does not depend on the draws; the chosen encoding is
+then cast stochastically, as unbiased as NVFP4's. For 16x16 tiles each candidate's error is
+the sum over the tile's rows then columns plus the sum over its columns then rows, each
+added in a fixed order, so the choice, and `transposed(quantize(W))` == `quantize(W.T)`,
+holds bit for bit.
+
 Rounding: to nearest, ties to the even code (the mantissa bit 0), or stochastic (round up
 with probability equal to the distance from the lower neighbour over the gap, from a
 `torch.Generator`: unbiased, reproducible). Zero keeps its sign (-0.0 is code 0b1000, as is
@@ -73,7 +93,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_float8.core._compat import scaled_mm_v2
-from fsdp_float8.core.blocks import Block, expand_block_scale, scale_shape
+from fsdp_float8.core.blocks import Block, blocked, expand_block_scale, scale_shape
 from fsdp_float8.core.blocks_cuda import swizzle_32_4_4
 from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
     RHT_SIZE,
@@ -94,6 +114,10 @@ BLOCKS = (ACTIVATION_BLOCK, WEIGHT_BLOCK)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 is the sign
 BLOCK_INV_SCALE_MIN = 2.0**-9  # e4m3's smallest subnormal
 TENSOR_AMAX_FLOOR = E2M1_MAX * E4M3_MAX * 2.0**-117  # tensor_inv_scale >= 2^-117
+# four-over-six: the e4m3 block factor of the tensor's amax block scaled to 6; scaled to 4
+# it is 256 * 6 / 4 = 384 <= 448, so neither candidate clamps (the module docstring derives it)
+FOUR_OVER_SIX_BLOCK_BOUND = 256.0
+FOUR_OVER_SIX_TARGETS = (E2M1_MAX, 4.0)  # the two block amax targets, 6 first (ties keep it)
 
 # the midpoints between neighbouring magnitudes; crossing midpoint i moves code i to i + 1
 _MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
@@ -170,8 +194,9 @@ def e2m1_codes(
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of uint8 codes (exact)."""
-    return _table(codes.device)[codes.long()]
+    """float32 values of uint8 codes (exact): `_table`, written out (every dequantize)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
+    return torch.cat([mags, -mags])[codes.long()]
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -214,10 +239,12 @@ class NVFP4:
         return torch.Size((*self.packed.shape[:-1], 2 * self.packed.shape[-1]))
 
 
-def tensor_inv_scale(amax: torch.Tensor) -> torch.Tensor:
-    """max(amax, TENSOR_AMAX_FLOOR) / (6 * 448): float64 math, 0-d float32. NaN stays NaN."""
+def tensor_inv_scale(amax: torch.Tensor, block_bound: float = E4M3_MAX) -> torch.Tensor:
+    """max(amax, TENSOR_AMAX_FLOOR) / (6 * block_bound): float64 math, 0-d float32 (NaN
+    stays NaN). block_bound is the block factor of the tensor's amax block: 448 for NVFP4,
+    FOUR_OVER_SIX_BLOCK_BOUND (256) for four-over-six. Both keep the factor >= 2^-117."""
     amax64 = amax.detach().reshape(()).to(torch.float64)
-    return (amax64.clamp(min=TENSOR_AMAX_FLOOR) / (E2M1_MAX * E4M3_MAX)).to(torch.float32)
+    return (amax64.clamp(min=TENSOR_AMAX_FLOOR) / (E2M1_MAX * block_bound)).to(torch.float32)
 
 
 def _e4m3_round_up(s: torch.Tensor) -> torch.Tensor:
@@ -228,11 +255,16 @@ def _e4m3_round_up(s: torch.Tensor) -> torch.Tensor:
 
 
 def block_inv_scales(
-    block_amaxes: torch.Tensor, tensor_inv: torch.Tensor, *, round_up: bool = False
+    block_amaxes: torch.Tensor,
+    tensor_inv: torch.Tensor,
+    *,
+    round_up: bool = False,
+    target: float = E2M1_MAX,
 ) -> torch.Tensor:
-    """e4m3 block factors: block_amax / (6 * tensor_inv) within [2^-9, 448], the nearest
-    e4m3 value or (`round_up`) the next one up; NaN for a non-finite block amax."""
-    s = block_amaxes.to(torch.float64) / (E2M1_MAX * tensor_inv.to(torch.float64))
+    """e4m3 block factors: block_amax / (target * tensor_inv) within [2^-9, 448], the
+    nearest e4m3 value or (`round_up`) the next one up; NaN for a non-finite block amax.
+    `target` is what a block's amax scales to: 6 (NVFP4), or 4 (four-over-six's other)."""
+    s = block_amaxes.to(torch.float64) / (target * tensor_inv.to(torch.float64))
     s = s.to(torch.float32).clamp(min=BLOCK_INV_SCALE_MIN, max=E4M3_MAX)
     s = torch.where(torch.isfinite(block_amaxes), s, torch.nan)
     return _e4m3_round_up(s) if round_up else s.to(E4M3)
@@ -264,21 +296,65 @@ def quantize(
     block: Block = ACTIVATION_BLOCK,
     *,
     generator: torch.Generator | torch.Tensor | None = None,
+    four_over_six: bool = False,
 ) -> NVFP4:
     """x (..., R, C) in blocks of `block` along its last two dims (a partial last block
     counts as zero-padded), with the tensor factor of `amax`; stochastic rounding with
     `generator` (block factors rounded up; a torch.Generator or uniform draws shaped like
-    x, e.g. `hashed_uniform`), else round to nearest even (nearest factors)."""
+    x, e.g. `hashed_uniform`), else round to nearest even (nearest factors).
+    `four_over_six`: each block scaled to 6 or to 4, whichever dequantizes closer (the
+    module docstring), with the tensor factor amax / (6 * 256)."""
     _check_quantize(x, amax, block)
+    if type(four_over_six) is not bool:
+        raise TypeError(f"four_over_six must be a bool, got {four_over_six!r}")
     # draws (a tensor) or none: one op, so that a compiled graph quantizes as eager does,
     # bit for bit; a torch.Generator (eager only: its state) takes the Python path. The
     # tensor test comes first: torch 2.15's Dynamo refuses isinstance(tensor, Generator)
     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     if generator is None or isinstance(generator, torch.Tensor):
-        parts = quantize_op(x.detach(), amax.detach(), block[0], block[1], generator)
+        parts = quantize_op(x.detach(), amax.detach(), block[0], block[1], generator, four_over_six)
     else:
-        parts = _quantize_parts(x.detach(), amax.detach(), *block, generator)
+        parts = _quantize_parts(x.detach(), amax.detach(), *block, generator, four_over_six)
     return NVFP4(*parts, block)
+
+
+def _encode(
+    hp: torch.Tensor,
+    block_inv: torch.Tensor,
+    tensor_inv: torch.Tensor,
+    block: Block,
+    draws: torch.Tensor | torch.Generator | None,
+) -> torch.Tensor:
+    """The e2m1 codes of hp with these factors (round to nearest, or with `draws`)."""
+    per_element = expand_block_scale(block_inv.to(torch.float32) * tensor_inv, block, hp.shape)
+    return e2m1_codes(hp / per_element, generator=draws)
+
+
+def _ordered_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t summed along `dim`, adding its slices one by one in index order (no reduction
+    kernel, whose order may depend on strides and sizes)."""
+    total = t.select(dim, 0)
+    for i in range(1, t.shape[dim]):
+        total = total + t.select(dim, i)
+    return total
+
+
+def block_squared_error(
+    hp: torch.Tensor, codes: torch.Tensor, block_inv: torch.Tensor, tensor_inv: torch.Tensor,
+    block: Block,
+) -> torch.Tensor:  # fmt: skip
+    """Per block of `block`: the squared errors (float32) of the codes dequantized as
+    `dequantize` does against hp, summed over the block's rows then columns plus over its
+    columns then rows, each in index order: twice the block's sum of squared errors, the
+    same bits for a tile and its transpose. In the block factors' shape."""
+    values = expand_block_scale(block_inv.to(torch.float32), block, hp.shape)
+    err = (e2m1_values(codes) * values) * tensor_inv - hp
+    sq = blocked(err * err, block)  # (..., R/br, br, C/bc, bc)
+    by_rows = _ordered_sum(_ordered_sum(sq, -1), -2)
+    if block[0] == 1:  # one row: the column-first sum adds the same values in the same order
+        return by_rows + by_rows
+    by_cols = _ordered_sum(_ordered_sum(sq, -3), -1)
+    return by_rows + by_cols
 
 
 def _quantize_parts(
@@ -287,14 +363,33 @@ def _quantize_parts(
     block_rows: int,
     block_cols: int,
     draws: torch.Tensor | torch.Generator | None,
+    four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     block = (block_rows, block_cols)
     hp = x.to(torch.float32)
-    tensor_inv = tensor_inv_scale(amax)
     amaxes = block_amax(hp, block)
-    block_inv = block_inv_scales(amaxes, tensor_inv, round_up=draws is not None)
-    per_element = expand_block_scale(block_inv.to(torch.float32) * tensor_inv, block, hp.shape)
-    codes = e2m1_codes(hp / per_element, generator=draws)
+    round_up = draws is not None
+    if not four_over_six:
+        tensor_inv = tensor_inv_scale(amax)
+        block_inv = block_inv_scales(amaxes, tensor_inv, round_up=round_up)
+        # `_encode`, written out: the default path is every NVFP4 cast of a step
+        per_element = expand_block_scale(block_inv.to(torch.float32) * tensor_inv, block, hp.shape)
+        return pack_e2m1(e2m1_codes(hp / per_element, generator=draws)), block_inv, tensor_inv
+    tensor_inv = tensor_inv_scale(amax, FOUR_OVER_SIX_BLOCK_BOUND)
+    candidates = []  # (block factors, round-to-nearest codes, block errors), 6 then 4
+    for target in FOUR_OVER_SIX_TARGETS:
+        factors = block_inv_scales(amaxes, tensor_inv, round_up=round_up, target=target)
+        codes = _encode(hp, factors, tensor_inv, block, None)
+        candidates.append(
+            (factors, codes, block_squared_error(hp, codes, factors, tensor_inv, block))
+        )
+    (six, six_codes, six_err), (four, four_codes, four_err) = candidates
+    use_four = four_err < six_err  # NaN (a non-finite block) keeps 6, as does a tie
+    block_inv = torch.where(use_four, four.view(torch.uint8), six.view(torch.uint8)).view(E4M3)
+    if round_up:  # the chosen factors, now cast with the draws
+        codes = _encode(hp, block_inv, tensor_inv, block, draws)
+    else:
+        codes = torch.where(expand_block_scale(use_four, block, hp.shape), four_codes, six_codes)
     return pack_e2m1(codes), block_inv, tensor_inv
 
 
@@ -304,8 +399,9 @@ def _quantize_op_impl(
     block_rows: int,
     block_cols: int,
     draws: torch.Tensor | None,
+    four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _quantize_parts(x, amax, block_rows, block_cols, draws)
+    return _quantize_parts(x, amax, block_rows, block_cols, draws, four_over_six)
 
 
 # The quantize is a custom op: torch.compile calls it as eager runs it. Inductor would
@@ -317,7 +413,7 @@ quantize_op = torch.library.custom_op("fsdp_float8::nvfp4_quantize", mutates_arg
 
 
 @quantize_op.register_fake
-def _quantize_op_fake(x, amax, block_rows, block_cols, draws):
+def _quantize_op_fake(x, amax, block_rows, block_cols, draws, four_over_six=False):
     *lead, rows, cols = x.shape
     packed = x.new_empty((*lead, rows, cols // 2), dtype=torch.uint8)
     block_inv = x.new_empty(scale_shape(x.shape, (block_rows, block_cols)), dtype=E4M3)

@@ -9,6 +9,10 @@ The recipe (NVIDIA's NVFP4 pretraining recipe):
 - grad_weight `grad_out.T @ x`: both operands transformed by a 16x16 random Hadamard
   matrix along the token dim (their contraction dim, padded with zero tokens to a multiple
   of 16), then quantized in 1x16 blocks along it; grad_out stochastically rounded.
+With `NVFP4Config(four_over_six=True)` every one of these casts (and the weight's FP4
+all-gather) scales each block's amax to 6 or to 4, whichever dequantizes closer, with the
+tensor factor amax / (6 * 256) (`core/nvfp4.py`); stochastic rounding and the Hadamard
+transform act as above.
 Every amax is the tensor's own (dynamic), except the weight's under FSDP2, which is the
 whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4.nvfp4_mm`) are cuBLAS FP4
 GEMMs on CUDA SM100+ (Blackwell); on CPU, which has no FP4 GEMM, and with `emulate=True`
@@ -63,6 +67,10 @@ class NVFP4Config:
     hadamard_grad_weight: the random Hadamard transform on grad_weight's operands.
     stochastic_rounding: stochastic rounding of grad_output (both of its GEMMs).
     seed: the seed of the Hadamard signs and the rounding draws.
+    four_over_six: every NVFP4 cast of the layer (input, weight, grad_output, both
+      grad_weight operands, and the weight's FP4 all-gather) encodes each block scaled to
+      6 and to 4 and keeps the closer one, with the tensor factor amax / (6 * 256)
+      (`core/nvfp4.py`). Composes with stochastic rounding and the Hadamard transform.
     emulate: emulated GEMMs (dequantize, float32 matmul) on CUDA too, e.g. on a device below
       SM100; CPU always emulates (it has no FP4 GEMM).
     """
@@ -72,6 +80,7 @@ class NVFP4Config:
     stochastic_rounding: bool = True
     seed: int = 0
     emulate: bool = False
+    four_over_six: bool = False
     # what conversion reads of any layer config
     pad_inner_dim: ClassVar[bool] = False
     linear_class: ClassVar[type]  # set below: NVFP4Linear
@@ -82,6 +91,7 @@ class NVFP4Config:
             "hadamard_grad_weight",
             "stochastic_rounding",
             "emulate",
+            "four_over_six",
         ):
             if type(getattr(self, name)) is not bool:
                 raise Float8ConfigError(
@@ -146,7 +156,7 @@ def _values_key(weight: torch.Tensor) -> tuple | None:
     return (storage, hp.storage_offset(), tuple(hp.shape), hp._version, generation)
 
 
-def _quantized_weight(weight: torch.Tensor) -> _QuantizedWeight:
+def _quantized_weight(weight: torch.Tensor, four_over_six: bool) -> _QuantizedWeight:
     """The weight in 16x16 tiles: as FSDP2 gathered it, or quantized here (unsharded) once
     per version of its values."""
     if isinstance(weight, NVFP4Weight):
@@ -156,11 +166,12 @@ def _quantized_weight(weight: torch.Tensor) -> _QuantizedWeight:
         return _QuantizedWeight(weight.record, None if compiling else weight.operands)
     hp = plain_weight(weight)
     key = _values_key(weight)
+    key = None if key is None else (*key, four_over_six)
     ref = None if key is None else _UNSHARDED.get(weight)
     found = None if ref is None else ref()
     if found is not None and found.key == key:
         return found
-    record = nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK)
+    record = nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK, four_over_six=four_over_six)
     if key is None:
         return _QuantizedWeight(record, None)
     found = _QuantizedWeight(record, GatheredOperands([]), key)
@@ -195,9 +206,10 @@ class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer: NVFP4Linear):
         x2 = x.reshape(-1, x.shape[-1])
-        qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK)
+        fos = layer.config.four_over_six
+        qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK, four_over_six=fos)
         emulate = layer.config.emulate
-        w = _quantized_weight(weight)
+        w = _quantized_weight(weight, fos)
         operand = _weight_operand(w, Gemm.OUTPUT, emulate)
         if operand is None:
             out = nvfp4.nvfp4_mm(qx, w.record, x.dtype, emulate=emulate)
@@ -218,10 +230,11 @@ class _NVFP4LinearFn(torch.autograd.Function):
         x_shape = (*grad_out.shape[:-1], x2.shape[-1])
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])
         cfg = layer.config
-        sr = cfg.stochastic_rounding
+        sr, fos = cfg.stochastic_rounding, cfg.four_over_six
+        act = nvfp4.ACTIVATION_BLOCK
         gen = _draws(grad_out, layer.layer_seed, 0) if sr else None
-        qgo = nvfp4.quantize(grad_out, _amax(grad_out), nvfp4.ACTIVATION_BLOCK, generator=gen)
-        w = ctx.quantized or _quantized_weight(weight)
+        qgo = nvfp4.quantize(grad_out, _amax(grad_out), act, generator=gen, four_over_six=fos)
+        w = ctx.quantized or _quantized_weight(weight, fos)
         if ctx.quantized is not None:
             _release(weight, ctx.quantized)
         operand = _weight_operand(w, Gemm.GRAD_INPUT, cfg.emulate)
@@ -235,8 +248,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
             matrix = layer.hadamard(grad_out.device)
             go_t, x_t = nvfp4.rht(go_t.float(), matrix), nvfp4.rht(x_t.float(), matrix)
         gen = _draws(go_t, layer.layer_seed, 1) if sr else None
-        qgo_t = nvfp4.quantize(go_t, _amax(go_t), nvfp4.ACTIVATION_BLOCK, generator=gen)
-        qx_t = nvfp4.quantize(x_t, _amax(x_t), nvfp4.ACTIVATION_BLOCK)
+        qgo_t = nvfp4.quantize(go_t, _amax(go_t), act, generator=gen, four_over_six=fos)
+        qx_t = nvfp4.quantize(x_t, _amax(x_t), act, four_over_six=fos)
         grad_w = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
         return grad_x.reshape(x_shape), grad_w, None
 
@@ -353,7 +366,8 @@ class NVFP4Linear(nn.Linear):
         flags = f"hadamard_gw={c.hadamard_grad_weight}, sr_go={c.stochastic_rounding}"
         fsdp = ", fsdp_nvfp4_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
         emulate = ", emulate=True" if c.emulate else ""
-        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}{emulate}"
+        fos = ", four_over_six=True" if c.four_over_six else ""
+        return f"{super().extra_repr()}, nvfp4 {flags}{fsdp}{emulate}{fos}"
 
 
 NVFP4Config.linear_class = NVFP4Linear

@@ -13,7 +13,9 @@ Payload: two uint8 all-gather inputs, the packed codes `(rows, K / 2)` and the t
 factors `(rows / 16, K / 16)`; both gather along dim 0 into the unsharded layout, so the
 gathered bytes are the GEMM operand as they arrive. The tensor factor (the same on every
 rank) travels in the metadata. Shards must be whole 16-row tiles (the block recipes' rule,
-`block.check_block_shards`); one shard takes any row count.
+`block.check_block_shards`); one shard takes any row count. With
+`NVFP4Config(four_over_six=True)` each shard is quantized with four-over-six (each tile's
+choice depends only on the tile and the global amax, so shards agree with the whole).
 
 The unsharded weight is an `NVFP4Weight`: a tensor subclass with the weight's shape and
 dtype that holds the quantized record. `NVFP4Linear` reads the record; any other op on it
@@ -178,7 +180,8 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         check_block_shards(outer_size[0], mesh.size(), TILE[0], owner=owner)
         sharded = getattr(module, self.param_name, None)
         amax = self.global_amax(shard_group(sharded, None, mesh))
-        q = nvfp4.quantize(self._tensor, amax, TILE)
+        four_over_six = self._config.four_over_six  # an NVFP4Config
+        q = nvfp4.quantize(self._tensor, amax, TILE, four_over_six=four_over_six)
         tiles = q.block_inv_scale.view(torch.uint8)
         if mesh.size() == 1:  # FSDP2 hands the post-hook only the first input
             packed = (q.packed,), NVFP4Gather(q.tensor_inv_scale, tiles)

@@ -4,6 +4,7 @@ binary token file that would train as text."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,14 @@ from f8train.train_args import parse_args
         (
             ["--recipe", "nvfp4", "--tp", "2", "--seq-len", "32"],
             "argument --tp: --recipe nvfp4 is not supported under tensor parallelism",
+        ),
+        (
+            ["--recipe", "nvfp4_4over6", "--tp", "2", "--seq-len", "32"],
+            "argument --tp: --recipe nvfp4_4over6 is not supported under tensor parallelism",
+        ),
+        (
+            ["--recipe", "nvfp4_4over6", "--numerics-every", "5"],
+            "--numerics-every has no effect with --recipe nvfp4_4over6",
         ),
     ],
 )
@@ -176,3 +185,25 @@ def test_nvfp4_recipe_config(tmp_path: Path) -> None:
     delayed = parse_args(["--recipe", "nvfp4", "--scaling", "delayed", *out])
     with pytest.raises(SystemExit, match="NVFP4 scales are dynamic"):
         float8_config(delayed)
+
+
+def test_nvfp4_four_over_six_recipe_config(tmp_path: Path) -> None:
+    from f8train.compare import CONFIGS, train_command
+    from f8train.float8_flags import describe, float8_config
+    from fsdp_float8 import NVFP4Config
+
+    out = ["--out", str(tmp_path / "run")]
+    args = parse_args(["--recipe", "nvfp4_4over6", *out])
+    want = NVFP4Config(enable_fsdp_float8_all_gather=True, four_over_six=True)
+    assert float8_config(args) == want
+    assert describe(args).startswith("nvfp4_4over6/dynamic fp4-all-gather")
+    no_ag = parse_args(["--recipe", "nvfp4_4over6", "--no-fp8-all-gather", *out])
+    assert float8_config(no_ag) == NVFP4Config(four_over_six=True)
+    assert float8_config(parse_args(["--recipe", "nvfp4", *out])).four_over_six is False
+    delayed = parse_args(["--recipe", "nvfp4_4over6", "--scaling", "delayed", *out])
+    with pytest.raises(SystemExit, match="NVFP4 scales are dynamic"):
+        float8_config(delayed)
+    # f8train.compare trains it by name, with the FP4 all-gather
+    assert CONFIGS["nvfp4_4over6"] == ["--recipe", "nvfp4_4over6", "--fp8-all-gather"]
+    command = train_command("nvfp4_4over6", argparse.Namespace(nproc=2, steps=5, out="o"), [])
+    assert command[command.index("--recipe") + 1] == "nvfp4_4over6"

@@ -166,6 +166,17 @@ def test_nvfp4_val_loss_within_3_percent_of_bf16(tmp_path: Path) -> None:
     assert math.isfinite(v["nvfp4"]) and abs(v["nvfp4"] - v["bf16"]) / v["bf16"] < 0.03, v
 
 
+@pytest.mark.timeout(1800)
+def test_nvfp4_four_over_six_val_loss_within_3_percent_of_bf16(tmp_path: Path) -> None:
+    """make train's settings with --recipe nvfp4_4over6 (NVFP4 with four-over-six block
+    scales; FP4 all-gather, Hadamard transform and stochastic rounding on) against the bf16
+    baseline, with NVFP4's bar."""
+    runs = {"bf16": ("--recipe", "off"), "fos": ("--recipe", "nvfp4_4over6")}
+    v = _val_losses(tmp_path, runs)
+    print(f"val loss after 100 steps: bf16 {v['bf16']:.4f}, nvfp4_4over6 {v['fos']:.4f}")
+    assert math.isfinite(v["fos"]) and abs(v["fos"] - v["bf16"]) / v["bf16"] < 0.03, v
+
+
 def test_float8_reduce_scatter_val_loss_within_1_percent(tmp_path: Path) -> None:
     """The default run with float8 gradient reduce-scatter against the same run with the
     standard (fp32) reduce-scatter; also writes per-layer numerics telemetry."""
