@@ -32,11 +32,6 @@ class OperandCache(Protocol):
 
     def refilled(self) -> None: ...
 
-    @property
-    def inverse(self) -> torch.Tensor | None:
-        """`1 / _scale` of a tensorwise weight, made with it (None: not known)."""
-        ...
-
 
 def normal_outputs(args, kwargs) -> contextlib.AbstractContextManager:
     """Where a subclass's dispatch makes new wrappers: under `torch.inference_mode()` with

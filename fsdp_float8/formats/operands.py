@@ -17,8 +17,8 @@ operand lives exactly as long as the gathered weight (one extra byte per element
 rows plus float8 columns, the two bytes per element of a bf16-gathered weight).
 
 Under torch.compile the record is not part of the traced tensor (`Float8Tensor`'s
-flattening carries data and scale only): the graph builds the operand itself, with the same
-values (`formats.weight_operands.weight_for`).
+flattening carries data, scale and a tensorwise weight's `1 / scale` only): the graph builds
+the operand itself, with the same values (`formats.weight_operands.weight_for`).
 """
 
 from __future__ import annotations
@@ -50,15 +50,11 @@ class GatheredOperands:
     # at reshard and re-allocates each before the next post-all-gather call
     inner: list[torch.Tensor]
     # a one-scale weight's (scale, 1 / scale), refilled with the data: its [0] is the
-    # weight's `_scale`, its [1] what the GEMMs multiply by (`inverse`)
+    # weight's `_scale`, its [1] the weight's `_inverse` (what the GEMMs multiply by)
     scales: torch.Tensor | None = None
     builds: int = 0  # how many times an operand was built (tests count it)
     _operands: dict[object, Pair] = field(default_factory=dict, repr=False)
     _fresh: set[object] = field(default_factory=set, repr=False)
-
-    @property
-    def inverse(self) -> torch.Tensor | None:
-        return None if self.scales is None else self.scales[1]
 
     def refilled(self) -> None:
         """FSDP2 gathered new values into the weight: every operand must be rebuilt."""
