@@ -33,7 +33,8 @@ RECIPES = ("tensorwise", "rowwise", "nvfp4")
 PACKAGE = os.path.dirname(os.path.abspath(fsdp_float8.__file__)) + os.sep
 
 
-def _config(recipe: str):
+def all_gather_config(recipe: str):
+    """The recipe's config with float8 (NVFP4: FP4) all-gather on."""
     if recipe == "nvfp4":
         return NVFP4Config(enable_fsdp_float8_all_gather=True)
     return replace(Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=True)
@@ -43,11 +44,13 @@ def _block() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False))
 
 
-def steady_step_calls(rank: int, world: int, recipe: str) -> Counter[str]:
-    """The library calls of one steady step on this rank, by `file:line function`."""
-    mesh = cpu_mesh(world)
+def sharded_two_blocks(mesh, recipe: str, rank: int):
+    """2 blocks of 2 bias-free linears (DIM -> 2 DIM -> DIM), converted per `recipe`, each
+    block and the root `fully_shard`ed over `mesh`, with AdamW: `step(i)` runs training
+    step i (forward, backward, optimizer step) on this rank's batch."""
     torch.manual_seed(0)
-    model = convert_to_float8_training(nn.Sequential(_block(), _block()), config=_config(recipe))
+    model = nn.Sequential(_block(), _block())
+    model = convert_to_float8_training(model, config=all_gather_config(recipe))
     for block in model:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -59,6 +62,12 @@ def steady_step_calls(rank: int, world: int, recipe: str) -> Counter[str]:
         opt.step()
         opt.zero_grad()
 
+    return model, step
+
+
+def steady_step_calls(rank: int, world: int, recipe: str) -> Counter[str]:
+    """The library calls of one steady step on this rank, by `file:line function`."""
+    _model, step = sharded_two_blocks(cpu_mesh(world), recipe, rank)
     for i in range(WARMUP):
         step(i)
     gc.collect()  # the models of recipes measured before in this process: gone

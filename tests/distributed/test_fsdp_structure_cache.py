@@ -12,49 +12,22 @@ no parameter-registration hook (tensorwise, rowwise, mxfp8, nvfp4).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
-from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from fsdp_float8 import Float8LinearConfig, NVFP4Config, convert_to_float8_training
 from fsdp_float8.fsdp import structure
+from tests.distributed.host_calls import sharded_two_blocks
 from tests.distributed.launcher import cpu_mesh, run_distributed
 
-DIM, WARMUP, STEADY = 64, 2, 5
+WARMUP, STEADY = 2, 5
 RECIPES = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
 
 
-def _config(recipe: str):
-    if recipe == "nvfp4":
-        return NVFP4Config(enable_fsdp_float8_all_gather=True)
-    return replace(Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=True)
-
-
-def _block() -> nn.Module:
-    return nn.Sequential(nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(2 * DIM, DIM, bias=False))
-
-
 def _counts(rank: int, world: int, recipe: str) -> dict:
-    mesh = cpu_mesh(world)
-    torch.manual_seed(0)
-    model = convert_to_float8_training(nn.Sequential(_block(), _block()), config=_config(recipe))
-    for block in model:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _model, step = sharded_two_blocks(cpu_mesh(world), recipe, rank)
     hooks = [0]
 
     def count(*_args) -> None:
         hooks[0] += 1
-
-    def step(i: int) -> None:
-        x = torch.randn(8, DIM, generator=torch.Generator().manual_seed(10 * i + rank))
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
 
     for i in range(WARMUP):
         step(i)

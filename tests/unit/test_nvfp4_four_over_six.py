@@ -26,6 +26,8 @@ from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.numerics import sqnr_db
 from fsdp_float8.core.scaling import block_amax
 from tests.unit.test_nvfp4 import _blocks, _heavy, _ref_codes
+from tests.unit.test_nvfp4_linear import _grads
+from tests.unit.test_nvfp4_linear import _layer as nvfp4_layer
 
 E4M3 = torch.float8_e4m3fn
 
@@ -295,20 +297,7 @@ def test_cast_sqnr(kind, block) -> None:
 
 
 def _layer(seed: int = 0, **config) -> tuple[nn.Linear, NVFP4Linear]:
-    torch.manual_seed(seed)
-    hp = nn.Linear(256, 128, bias=False)
-    layer = NVFP4Linear.from_float(hp, NVFP4Config(seed=seed, four_over_six=True, **config))
-    layer.fqn = "layer"
-    return hp, layer
-
-
-def _grads(layer: nn.Module, x: torch.Tensor, go: torch.Tensor):
-    x = x.detach().requires_grad_()
-    y = layer(x)
-    y.backward(go)
-    grads = (y.detach(), x.grad, layer.weight.grad.clone())
-    layer.weight.grad = None
-    return grads
+    return nvfp4_layer(seed, four_over_six=True, **config)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
