@@ -246,3 +246,25 @@ def amax_to_scale_calls(tree: ast.Module) -> list[int]:
 
 def amax_all_reduce_calls(tree: ast.Module) -> list[int]:
     return [c.lineno for c, name in _calls(tree) if name == "all_reduce_amax_"]
+
+
+# the string values of `ScalingType` and `ScalingGranularity`
+SCALING_WORDS = frozenset(
+    {"dynamic", "delayed", "static", "disabled", "tensorwise", "axiswise", "blockwise"}
+)
+
+
+def scaling_word_compares(tree: ast.Module) -> list[int]:
+    """A comparison with a scaling word's string value (`g == "blockwise"`, `k in ("delayed",
+    "static")`): code that asks a cast config by its word's value instead of its enum."""
+
+    def word(node: ast.expr) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(word(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in SCALING_WORDS
+
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and any(map(word, [node.left, *node.comparators]))
+    ]

@@ -4,11 +4,14 @@ A linear layer runs three GEMMs on three operands (`fsdp_float8.core.gemms`). Ea
 operand is cast once for its primary GEMM and possibly differently for its second use in
 backward (`*_for_grad_*` fields). A `CastConfig` says how one such cast is scaled; this
 module is the one place where those user-facing words become the strategy objects of
-`fsdp_float8.core.scaling` (`Float8LinearConfig.strategy`). The rules between casts are in
-`config_rules.py`, the block casts' in `config_blocks.py`, field type checks in
-`config_fields.py`, the named recipes in `recipes.py`.
+`fsdp_float8.core.scaling` (`Float8LinearConfig.strategy`). The rules of one cast's block
+fields and between casts are in `config_rules.py` (which asks the casts, not their words),
+field type checks and the error class in `config_fields.py`, the named recipes in
+`recipes.py`.
 
-Field names follow the ones torchao users know, so switching is a change of import.
+Field names follow the ones torchao users know, so switching is a change of import; a
+config built with torchao.float8 itself is converted field by field
+(`as_float8_linear_config`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from typing import Any
 import torch
 
 from fsdp_float8.core import families, scaling
-from fsdp_float8.core.config_blocks import check_block_cast, check_linear_blocks
 from fsdp_float8.core.config_fields import (
     Float8ConfigError,
     check_field_types,
@@ -31,7 +33,13 @@ from fsdp_float8.core.config_fields import (
     filled,
     mark_filled,
 )
-from fsdp_float8.core.config_rules import check_cast_pairs, check_no_e5m2_pair, check_static_scale
+from fsdp_float8.core.config_rules import (
+    check_block_cast,
+    check_cast_pairs,
+    check_linear_blocks,
+    check_no_e5m2_pair,
+    check_static_scale,
+)
 from fsdp_float8.core.gemms import (
     OPERAND_GEMMS,
     OPERANDS,
@@ -74,7 +82,7 @@ class CastConfig:
 
     Blockwise casts (dynamic only) take `block_shape=(across, along)` the contraction dim,
     e.g. (1, 128), (128, 128), and `scale_dtype` float32 or `torch.float8_e8m0fnu` (MX;
-    rules in `fsdp_float8.core.config_blocks`, the math in `fsdp_float8.core.scaling.Blockwise`)."""
+    rules in `fsdp_float8.core.config_rules`, the math in `fsdp_float8.core.scaling.Blockwise`)."""
 
     scaling_type: ScalingType = ScalingType.DYNAMIC
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
@@ -103,14 +111,14 @@ class CastConfig:
                 f"got scaling_type={self.scaling_type.value}; drop static_scale or make it static"
             )
         tensorwise = self.scaling_granularity is ScalingGranularity.TENSORWISE
-        if not tensorwise and self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC):
+        if not tensorwise and self.keeps_scale:
             gran = self.scaling_granularity.value
             raise Float8ConfigError(
                 f"{self.scaling_type.value} scaling is tensorwise only (one history or scale "
                 f"per operand), got scaling_granularity={gran}; use dynamic {gran} scaling "
                 "or tensorwise granularity"
             )
-        check_block_cast(self.scaling_granularity.value, self.block_shape, self.scale_dtype)
+        check_block_cast(self)
 
     def granularity(self) -> scaling.Granularity:
         """The `fsdp_float8.core.scaling` granularity object this config names."""
@@ -119,6 +127,11 @@ class CastConfig:
     @property
     def enabled(self) -> bool:
         return self.scaling_type is not ScalingType.DISABLED
+
+    @property
+    def keeps_scale(self) -> bool:
+        """Delayed and static scaling: one scale per operand, kept across steps."""
+        return self.scaling_type in (ScalingType.DELAYED, ScalingType.STATIC)
 
 
 _GRANULARITY: dict[ScalingGranularity, Callable[[CastConfig], scaling.Granularity]] = {
@@ -254,7 +267,7 @@ class Float8LinearConfig:
     def _convert_foreign_fields(self) -> None:
         """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their
         fields) in a cast or GEMM field becomes this package's, field by field
-        (`config_foreign`); anything else is left to the type check."""
+        (`foreign_part`); anything else is left to the type check."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.startswith(("cast_config_", "gemm_config_")) and _is_foreign(value):
@@ -395,3 +408,40 @@ def foreign_value(value: Any, where: str, kind: str) -> object:
         if isinstance(kw[n], enum.Enum):
             kw[n] = kw[n].value
     return CastConfig(**kw)
+
+
+_LINEAR_FIELDS = {f.name for f in dataclasses.fields(Float8LinearConfig)}
+
+
+def as_float8_linear_config(config: object, argument: str = "config") -> Float8LinearConfig:
+    """`config` itself when it is a `Float8LinearConfig` (None: the default one); a foreign
+    config with the same fields (torchao.float8's) converted field by field (`foreign_value`;
+    a `*_for_grad_*` cast equal to its operand's primary one is left for this package to
+    fill in, as torchao filled it); else an error naming the type and what is expected. A
+    field this package does not have is refused by name; nothing is guessed."""
+    if config is None:
+        return Float8LinearConfig()
+    if isinstance(config, Float8LinearConfig):
+        return config
+    kind = f"{type(config).__module__}.{type(config).__qualname__}"
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(
+            f"{argument}={config!r} has type {kind}; expected an fsdp_float8."
+            "Float8LinearConfig (torchao.float8's Float8LinearConfig is converted too), e.g. "
+            f"Float8LinearConfig.from_recipe_name({families.DEFAULT_RECIPE!r})"
+        )
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.name not in _LINEAR_FIELDS:
+            raise Float8ConfigError(
+                f"{argument} is a {kind} whose field {f.name}="
+                f"{getattr(config, f.name)!r} fsdp_float8.Float8LinearConfig does not have; "
+                "build an fsdp_float8.Float8LinearConfig instead (its fields: "
+                f"{sorted(_LINEAR_FIELDS)})"
+            )
+        fields[f.name] = foreign_value(getattr(config, f.name), f"{argument}.{f.name}", kind)
+    for op in OPERANDS:
+        first, second = (_OPERAND_FIELD[(op, g)] for g in (PRIMARY_GEMM[op], SECOND_GEMM[op]))
+        if second in fields and fields[second] == fields.get(first):
+            fields[second] = None  # torchao's default, resolved: ours resolves it alike
+    return Float8LinearConfig(**fields)

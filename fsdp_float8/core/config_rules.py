@@ -1,16 +1,21 @@
-"""The rules between a Float8LinearConfig's casts, checked by `fsdp_float8.core.config` at
+"""The rules of a Float8LinearConfig's casts, checked by `fsdp_float8.core.config` at
 construction, each raising ValueError naming the values and the remedy:
 
+- one cast's block fields: `block_shape` exactly for blockwise casts, e8m0 scales only there;
 - both operands of a GEMM are float8, or both high precision;
 - delayed and static scaling keep one scale per operand, so its two uses share the type;
-- a float8 all-gathered weight serves both weight GEMMs (one cast, or a re-cast of rows);
+- a float8 all-gathered weight serves both weight GEMMs (its family's rule);
 - a float8 input saved for grad_weight is cast alike for output and grad_weight;
+- block casts refuse pad_inner_dim, and e8m0 scales need power-of-two rounding;
 - CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated);
 - a static scale keeps fp8_max / scale and 1 / scale finite normal float32s.
 
-Works on the resolved casts (`(Operand, Gemm)` -> CastConfig, target dtypes filled in) and
-on the words' string values, as `config_blocks` does, so it imports nothing from config.py,
-which imports it; the topology comes from `fsdp_float8.core.gemms`.
+Works on `CastConfig` objects (the resolved casts: `(Operand, Gemm)` -> CastConfig, target
+dtypes filled in) through what they answer: `enabled`, `keeps_scale` (the one place the
+scaling-type words become behaviour is config.py), their granularity's format family
+(`ScalingGranularity.family`, `fsdp_float8.core.families`) and their fields. config.py
+imports this module; this module imports nothing of config.py. The topology comes from
+`fsdp_float8.core.gemms`.
 """
 
 from __future__ import annotations
@@ -21,11 +26,46 @@ from typing import Any
 import torch
 
 from fsdp_float8.core.config_fields import Float8ConfigError
-from fsdp_float8.core.families import Family, granularities_where, of_granularity, recipes_where
+from fsdp_float8.core.families import Family, granularities_where, recipes_where
 from fsdp_float8.core.gemms import GEMM_OPERANDS, OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.core.scaling import float8_max
 
 Casts = dict[tuple[Operand, Gemm], Any]  # the CastConfig of each (operand, GEMM)
+E8M0 = torch.float8_e8m0fnu
+SCALE_DTYPES = (torch.float32, E8M0)
+
+
+def check_block_cast(cast: Any) -> None:
+    """A CastConfig's block fields: `block_shape` exactly for blockwise (the casts whose
+    family's scales are blocks), two ints >= 1; `scale_dtype` float32, or e8m0 for
+    blockwise only."""
+    granularity = cast.scaling_granularity.value  # for the messages
+    block_shape, scale_dtype = cast.block_shape, cast.scale_dtype
+    blockwise = not cast.scaling_granularity.family.broadcast_scales
+    ints = isinstance(block_shape, tuple) and len(block_shape) == 2
+    ints = ints and all(type(b) is int and b >= 1 for b in block_shape)
+    if blockwise and not ints:
+        raise Float8ConfigError(
+            f"scaling_granularity=blockwise needs block_shape=(across, along) the "
+            f"contraction dim as two ints >= 1, got block_shape={block_shape!r}; e.g. "
+            "(1, 128) for activation tiles, (128, 128) for weight blocks, (1, 32) / (32, 32) for MX"
+        )
+    if not blockwise and block_shape is not None:
+        raise Float8ConfigError(
+            f"block_shape={block_shape!r} is only used with scaling_granularity=blockwise, "
+            f"got {granularity}; drop block_shape or make the cast blockwise"
+        )
+    if scale_dtype not in SCALE_DTYPES:
+        raise Float8ConfigError(
+            f"scale_dtype={scale_dtype} is not supported; expected torch.float32 or "
+            "torch.float8_e8m0fnu (MX block scales)"
+        )
+    if scale_dtype == E8M0 and not blockwise:
+        raise Float8ConfigError(
+            f"scale_dtype={scale_dtype} (e8m0) is for blockwise (MX) casts, got "
+            f"scaling_granularity={granularity}; use scale_dtype=torch.float32 or "
+            "scaling_granularity='blockwise' with a block_shape"
+        )
 
 
 def check_cast_pairs(casts: Casts, *, fsdp_all_gather: bool, save_input_in_float8: bool) -> None:
@@ -55,9 +95,9 @@ def check_cast_pairs(casts: Casts, *, fsdp_all_gather: bool, save_input_in_float
 def _check_second_use(casts: Casts, operand: Operand) -> None:
     first = casts[(operand, PRIMARY_GEMM[operand])]
     second = casts[(operand, SECOND_GEMM[operand])]
-    kinds = (first.scaling_type.value, second.scaling_type.value)
-    stateful = any(k in ("delayed", "static") for k in kinds)
-    if stateful and second.enabled and kinds[0] != kinds[1]:
+    kinds = (first.scaling_type.value, second.scaling_type.value)  # for the message
+    stateful = first.keeps_scale or second.keeps_scale
+    if stateful and second.enabled and first.scaling_type != second.scaling_type:
         raise Float8ConfigError(
             f"{operand.value} is {kinds[0]} for its first GEMM but {kinds[1]} for "
             f"{SECOND_GEMM[operand].value}; delayed and static scaling keep one scale per "
@@ -75,7 +115,7 @@ def _check_fsdp_all_gather(fwd, bwd) -> None:
             f"GEMMs, got output={fwd.scaling_type.value}, grad_input="
             f"{bwd.scaling_type.value}; enable both or set enable_fsdp_float8_all_gather=False"
         )
-    rule = of_granularity(fwd.scaling_granularity.value).all_gather_rule
+    rule = fwd.scaling_granularity.family.all_gather_rule
     assert rule is not None  # every float8 family has one
     rule(fwd, bwd)
 
@@ -84,10 +124,10 @@ def _check_save_input_in_float8(first, second) -> None:
     """One scale: backward reuses the forward's float8 input. Blocks: forward also casts
     the input for grad_weight (tiles along the token dim) and saves that
     (`Family.saves_float8_input`)."""
-    kinds = {c.scaling_granularity.value for c in (first, second) if c.enabled}
+    kinds = {c.scaling_granularity for c in (first, second) if c.enabled}
     both = first.enabled and second.enabled and len(kinds) == 1
     same = first.target_dtype == second.target_dtype
-    if not (same and both and all(of_granularity(k).saves_float8_input for k in kinds)):
+    if not (same and both and all(k.family.saves_float8_input for k in kinds)):
         saving = granularities_where(_saves_float8)
         raise Float8ConfigError(
             "save_input_in_float8=True keeps a float8 input for grad_weight, which needs "
@@ -99,6 +139,25 @@ def _check_save_input_in_float8(first, second) -> None:
 
 def _saves_float8(family: Family) -> bool:
     return family.saves_float8_input and family.granularity is not None
+
+
+def check_linear_blocks(casts: dict[str, Any], *, pad_inner_dim: bool, power_of_2: bool) -> None:
+    """Float8LinearConfig-level rules over its casts (field name -> CastConfig)."""
+    blockwise = [name for name, c in casts.items() if c.block_shape is not None]
+    if blockwise and pad_inner_dim:
+        raise Float8ConfigError(
+            f"pad_inner_dim=True pads K and N to multiples of 16 for torch._scaled_mm, but "
+            f"{blockwise[0]} is blockwise: block GEMMs tile any shape when emulated and need "
+            "multiples of 128 (32 for MX) on CUDA; drop pad_inner_dim, or keep layers whose "
+            "dims are not multiples of 16 in high precision"
+        )
+    e8m0 = [name for name, c in casts.items() if c.scale_dtype == E8M0]
+    if e8m0 and not power_of_2:
+        raise Float8ConfigError(
+            f"{e8m0[0]} has scale_dtype=torch.float8_e8m0fnu, which holds powers of two only, "
+            "but round_scales_to_power_of_2=False; set it True (the 'mxfp8' recipe does) or "
+            "use float32 block scales"
+        )
 
 
 def check_no_e5m2_pair(casts: Casts) -> None:

@@ -11,8 +11,7 @@ row, whether they broadcast against the operand (any float8 GEMM, tensor paralle
 grouped expert GEMMs) or are blocks (a block GEMM), and which recipes to suggest. Also the
 config rules that belong to one family (`all_gather_rule`), so their messages name it.
 
-Imports nothing but `core/config_fields` and `core/config_blocks`: every module (core's
-included) can read it.
+Imports nothing but `core/config_fields`: every module (core's included) can read it.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdp_float8.core.config_blocks import check_block_all_gather
 from fsdp_float8.core.config_fields import Float8ConfigError
 
 
@@ -43,6 +41,18 @@ def _one_scale_all_gather(fwd, bwd) -> None:
 def _rows_all_gather(fwd, bwd) -> None:
     """The grad_input weight is re-cast from the gathered rows: any dynamic cast (a per-row
     cast is dynamic only, so the second-use rule made grad_input's dynamic too)."""
+
+
+def _square_blocks_all_gather(fwd, bwd) -> None:
+    """A gathered block weight serves both weight GEMMs as it is: one cast, so square
+    blocks (the same whichever dim is contracted) and one config for both GEMMs."""
+    if fwd != bwd or fwd.block_shape[0] != fwd.block_shape[1]:
+        raise Float8ConfigError(
+            "enable_fsdp_float8_all_gather=True with a blockwise weight gathers one float8 "
+            "weight for both weight GEMMs, which needs square blocks and one cast config; "
+            f"got cast_config_weight={fwd}, cast_config_weight_for_grad_input={bwd}; use "
+            "square blocks (e.g. (128, 128)) and leave the grad_input one None"
+        )
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,7 @@ FAMILIES: dict[str, Family] = {
             per_row=False,
             broadcast_scales=False,
             saves_float8_input=True,
-            all_gather_rule=check_block_all_gather,
+            all_gather_rule=_square_blocks_all_gather,
             place="fsdp_float8.formats.block",
         ),
     )

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_float8.core.config import Float8LinearConfig
+from fsdp_float8.core.config import Float8LinearConfig, as_float8_linear_config
 from fsdp_float8.core.config_fields import Float8ConfigError
-from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.core.families import (
     DEFAULT_RECIPE,
     broadcasting,

@@ -30,9 +30,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_float8.core.cast_plan import CastPlan, Pair
-from fsdp_float8.core.config import Float8LinearConfig, ScalingType
+from fsdp_float8.core.config import Float8LinearConfig, ScalingType, as_float8_linear_config
 from fsdp_float8.core.config_fields import Float8ConfigError
-from fsdp_float8.core.config_foreign import as_float8_linear_config
 from fsdp_float8.core.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data

@@ -7,6 +7,9 @@ package and, below, on a snippet that breaks it and one that only looks alike:
 - FSDP2's all-gather hooks are defined only under weight_wrappers/;
 - `ScalingType.X` (a branch, a dict key, a comparison) appears only in core/config.py, the
   words -> strategies and words -> weight wrappers maps;
+- no module asks a cast by its scaling word's string value (`g == "blockwise"`): the rules
+  ask the `CastConfig` and its enums; only the torchtitan integration, whose converter
+  fields are strings, checks them as given;
 - the operand/GEMM topology (dict literals pairing `Operand.X` with `Gemm.Y`, tuple keys
   included) is spelled only in core/gemms.py, and no helper works out an operand's other
   GEMM by hand;
@@ -77,6 +80,11 @@ RULES = [
         rules.scaling_type_members, {"core/config.py"}, required=True,
         violation="from fsdp_float8.core.config import ScalingType as S\nT = {(S.DELAYED, 1): 2}",
         lookalike="kind = cfg.scaling_type\nname = ScalingType.__name__",
+    ),
+    _rule(
+        rules.scaling_word_compares, {"integrations/torchtitan.py"},
+        violation="blockwise = granularity == 'blockwise'\nk = t in ('delayed', 'static')",
+        lookalike="c = CastConfig(scaling_granularity='blockwise')\nok = name == 'block'",
     ),
     _rule(
         rules.topology_tables, {"core/gemms.py"}, required=True,
