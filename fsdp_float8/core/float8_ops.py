@@ -58,10 +58,14 @@ def _detach(func, args, kwargs):
     return _same_weight(t, _rewrap(t, func(t._data), func(t._scale)))
 
 
-def _same_weight(t: Float8Tensor, new: Float8Tensor) -> Float8Tensor:
+def _same_weight(t: Float8Tensor, new: Float8Tensor, rows: int | None = None) -> Float8Tensor:
     """`new` is the same weight as `t` (FSDP2 makes its unsharded parameter so: as_strided,
-    which may cut padding rows, then detach): it keeps `t`'s once-per-unshard operands."""
-    new._operands, new._inverse = t._operands, t._inverse
+    which may cut padding rows, then detach): it keeps `t`'s once-per-unshard operands, and
+    its scales' inverses (per row: the first `rows` of them when rows were cut)."""
+    inverse = t._inverse
+    if rows is not None and inverse is not None and inverse.dim() > 0:
+        inverse = inverse[:rows]
+    new._operands, new._inverse = t._operands, inverse
     return new
 
 
@@ -148,7 +152,7 @@ def _as_strided(func, args, kwargs):
     if _one_scale(t):
         return _same_weight(t, _rewrap(t, data))
     if per_row and t._data.is_contiguous():
-        return _same_weight(t, _rewrap(t, data, scale[: size[0]]))
+        return _same_weight(t, _rewrap(t, data, scale[: size[0]]), size[0])
     raise ValueError(
         f"as_strided on a per-axis-scaled Float8Tensor with scale {tuple(scale.shape)} is only "
         "supported for per-row scales of a contiguous tensor"

@@ -59,18 +59,32 @@ def row_and_column_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _gemm_scales(
-    a_scale: torch.Tensor, b_scale: torch.Tensor, m: int, n: int
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    m: int,
+    n: int,
+    known: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """inv_scales shaped as torch._scaled_mm wants: both 0-d, or (M, 1) and (1, N). One op
     per operand: a reciprocal (of the expanded scale where one operand is tensorwise and
     the other not: it writes a fresh dense tensor, and torch._scaled_mm rejects the stride 0
-    of an expanded one)."""
+    of an expanded one). `known`: an operand's `1 / scale` made by the caller (no op), used
+    where it has that shape already (0-d, or one value per row or column)."""
+    known_a, known_b = known
     if a_scale.numel() == 1 and b_scale.numel() == 1:
-        return a_scale.reshape(()).reciprocal(), b_scale.reshape(()).reciprocal()
+        inv_a = a_scale.reshape(()).reciprocal() if known_a is None else known_a
+        inv_b = b_scale.reshape(()).reciprocal() if known_b is None else known_b
+        return inv_a, inv_b
     if a_scale.shape not in ((), (m, 1)) or b_scale.shape not in ((), (1, n)):
         check_gemm_scales("scaled_mm", a_scale, (m, 1), b_scale, (1, n))  # it raises
-    inv_a = a_scale.reshape(-1, 1).expand(m, 1).reciprocal()
-    inv_b = b_scale.reshape(1, -1).expand(1, n).reciprocal()
+    if known_a is not None and known_a.numel() == m == a_scale.numel():
+        inv_a = known_a.reshape(m, 1)
+    else:
+        inv_a = a_scale.reshape(-1, 1).expand(m, 1).reciprocal()
+    if known_b is not None and known_b.numel() == n == b_scale.numel():
+        inv_b = known_b.reshape(1, n)
+    else:
+        inv_b = b_scale.reshape(1, -1).expand(1, n).reciprocal()
     return inv_a, inv_b
 
 
@@ -161,7 +175,7 @@ def scaled_mm_data(
     pad_inner_dim: bool = False,
     blocks: tuple[Block | None, Block | None] = (None, None),
     scale_dtype: torch.dtype = torch.float32,
-    inv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    inv_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
     """a (M, K) @ b (K, N) from float8 data and scales (`scale` multiplies hp into fp8).
     Lays out a row-major and b column-major (what the hardware GEMM needs), pads K and N to
@@ -170,18 +184,15 @@ def scaled_mm_data(
     traces under torch.compile without building subclasses inside the graph.
     `blocks`: each operand's (rows, cols) block when block-scaled: then the block GEMM
     (`fsdp_float8.core.blocks.block_scaled_mm`, with `scale_dtype` float32 or e8m0) runs.
-    `inv_scales`: for two 0-d scales, their reciprocals, when the caller has them already
-    (one operand's scale serving two GEMMs)."""
+    `inv_scales`: each operand's `1 / scale`, when the caller has it already (one operand's
+    scale serving two GEMMs; a gathered weight's, made with its all-gather), else None."""
     if blocks != (None, None):
         return block_scaled_mm(
             a_data, a_scale, blocks[0], b_data, b_scale, blocks[1], out_dtype=out_dtype,
             emulate=emulate, use_fast_accum=use_fast_accum, scale_dtype=scale_dtype,
         )  # fmt: skip
     n = b_data.shape[1]
-    if inv_scales is not None:  # both 0-d: `1 / scale` of each, computed by the caller
-        inv_a, inv_b = inv_scales
-    else:
-        inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n)
+    inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n, inv_scales)
     # `row_and_column_major`, inline (one call fewer per GEMM)
     a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
     if not b_data.transpose(-2, -1).is_contiguous():

@@ -36,7 +36,8 @@ def recast_operand(
     strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
     assert isinstance(strategy, DynamicScaling)
     dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    return _columns_from_rows(data, scale, strategy, dtype, out, _pow2_rows(plan))
+    inverse = weight._inverse  # a gathered weight's, made with its scales
+    return _columns_from_rows(data, scale, strategy, dtype, out, _pow2_rows(plan), inverse)
 
 
 def _recast_columns(plan: CastPlan) -> bool:
@@ -78,6 +79,7 @@ def _columns_from_rows(
     dtype: torch.dtype,
     out: Pair | None,
     pow2_rows: bool,
+    row_inverse: torch.Tensor | None = None,
 ) -> tuple[Pair, tuple[torch.Tensor, ...]]:
     """A row-cast (N, K) weight (or (E, N, K), one per expert) re-cast along N for
     grad_input, in the GEMM's column-major layout: one float32 (K, N) buffer, dequantized,
@@ -85,12 +87,13 @@ def _columns_from_rows(
     writes ~1.75 float32 weights' bytes). The same values as dequantize-then-cast
     (elementwise ops, exact max). With `out`, the float8 columns are written into its
     buffer; the new buffers returned are the columns only (FSDP2 frees them with the
-    weight), the K scales are kept as made."""
+    weight), the K scales are kept as made. `row_inverse`: `1 / row_scale`, when made
+    already."""
     hp_t = data.mT.to(torch.float32, memory_format=torch.contiguous_format)
     if pow2_rows:  # x / s is x * (1 / s) exactly: one op
         hp_t.div_(row_scale.mT)
     else:  # as the dequantization rounds
-        hp_t.mul_(row_scale.reciprocal().mT)
+        hp_t.mul_((row_scale.reciprocal() if row_inverse is None else row_inverse).mT)
     scale = strategy.scale(hp_t, -1, dtype)  # (..., K, 1) or 0-d
     hp_t.mul_(scale)  # the scale of hp_t's own amax: no clamp (`cast_to_float8_data`)
     scale_t = scale.mT if scale.dim() >= 2 else scale

@@ -3,10 +3,11 @@
 Quantize: a row's scale depends only on its own values, so each rank casts its dim-0 shard
 alone (no amax collective for FSDP2; a row-parallel TP weight reduces over its TP group).
 
-Pack: the float8 rows and their float32 scales as two `uint8` inputs, so FSDP2's copy-out
-gives each its own contiguous buffer and the gathered data is the output GEMM's operand as
-it arrives (no copy before the forward GEMM). At shard size 1 FSDP2 hands the post-hook
-only the first input, so there the scales travel in the metadata. Rows must split evenly
+Pack: the float8 rows, their float32 scales and the scales' inverses (what the GEMMs
+multiply by, made on the shard) as three `uint8` inputs, so FSDP2's copy-out gives each its
+own contiguous buffer and the gathered data is the output GEMM's operand as it arrives (no
+copy before the forward GEMM); K + 8 bytes a row. At shard size 1 FSDP2 hands the
+post-hook only the first input, so there the scales and inverses travel in the metadata. Rows must split evenly
 over the shards (the scales cannot be padded to FSDP2's padded shard size); every rank sees
 the same sizes and refuses alike.
 
@@ -58,6 +59,7 @@ class RowwiseGather:
     mid: tuple[int, ...]  # a 3-D expert weight (E, out, in): (out,); () for a 2-D weight
     # at shard size 1 FSDP2 hands the post-hook only the first input: the scales ride here
     local_scales: torch.Tensor | None = None
+    local_inverses: torch.Tensor | None = None  # their `1 / scale`, made with them
 
     @classmethod
     def pack(
@@ -70,44 +72,61 @@ class RowwiseGather:
         shards: int,
     ) -> tuple[tuple[torch.Tensor, ...], RowwiseGather]:
         """float8 data (..., K) with its per-row scales (..., 1) -> (all-gather inputs,
-        metadata): the data rows and the scales' bytes as two `uint8` inputs, so FSDP2's
-        copy-out gives each its own contiguous buffer (the data in the GEMM's layout)."""
+        metadata): the data rows, the scales' bytes and their inverses' bytes as three
+        `uint8` inputs, so FSDP2's copy-out gives each its own contiguous buffer (the data
+        in the GEMM's layout, the inverses as the GEMM takes them)."""
         rows = data.reshape(-1, data.shape[-1]).view(torch.uint8)
         scales = scale.reshape(-1, 1).to(torch.float32)
+        # what the GEMMs multiply by, made here on the shard, once per pack (which backward's
+        # re-gather reuses), on the stream that packs; the compiled forward takes it as an
+        # input (`Float8Tensor._inverse`) instead of computing it on the whole weight
+        inverses = scales.reciprocal()
         if shards == 1:
-            return (rows,), cls(data.dtype, emulate, mid, scales)
-        return (rows, scales.view(torch.uint8)), cls(data.dtype, emulate, mid)
+            return (rows,), cls(data.dtype, emulate, mid, scales, inverses)
+        parts = (rows, scales.view(torch.uint8), inverses.view(torch.uint8))
+        return parts, cls(data.dtype, emulate, mid)
 
-    def unpack(self, gathered: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Data and scales as views of the all-gather outputs (the scales of metadata at
-        shard size 1); a 3-D expert weight gets its shape back."""
+    def unpack(
+        self, gathered: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Data, scales and their inverses as views of the all-gather outputs (of the
+        metadata at shard size 1); a 3-D expert weight gets its shape back."""
         data = gathered[0].view(self.float8_dtype)
-        scale = self.local_scales if self.local_scales is not None else gathered[1]
-        scale = scale.view(torch.float32)
+        local = self.local_scales
+        scale = local if local is not None else gathered[1]
+        inverse = self.local_inverses if self.local_inverses is not None else gathered[2]
+        scale, inverse = scale.view(torch.float32), inverse.view(torch.float32)
         if self.mid:  # (E * out, in) rows back to (E, out, in)
-            data, scale = data.view(-1, *self.mid, data.shape[-1]), scale.view(-1, *self.mid, 1)
-        return data, scale
+            data = data.view(-1, *self.mid, data.shape[-1])
+            scale, inverse = scale.view(-1, *self.mid, 1), inverse.view(-1, *self.mid, 1)
+        return data, scale, inverse
 
     def build(self, outputs: tuple[torch.Tensor, ...], param_dtype):
-        """Data and scales view the all-gather outputs, which FSDP2 frees and refills in
-        place around each use; at shard size 1 the scales come in the metadata."""
-        data, scale = self.unpack(outputs)
+        """Data, scales and inverses view the all-gather outputs, which FSDP2 frees and
+        refills in place around each use; at shard size 1 the scales come in the metadata."""
+        data, scale, inverse = self.unpack(outputs)
         if self.local_scales is None:
             weight = Float8Tensor(data, scale, param_dtype, self.emulate)
+            weight._inverse = inverse
             return weight, attach_operands(weight, list(outputs))
         read_here(scale)
+        read_here(inverse)
         # scales of its own, which FSDP2 frees with the data: the metadata's stay with the
         # pack, which the next all-gather may reuse (`weight_wrappers.base.pack_shard`)
-        scale = scale.clone()
+        scale, inverse = scale.clone(), inverse.clone()
         weight = Float8Tensor(data, scale, param_dtype, self.emulate)
-        return weight, attach_operands(weight, [outputs[0], scale])
+        weight._inverse = inverse
+        return weight, attach_operands(weight, [outputs[0], scale, inverse])
 
     def refill(self, out, outputs: tuple[torch.Tensor, ...]) -> None:
         out = unsharded(out, outputs[0])
         if self.local_scales is not None:  # else the scales view the refilled outputs
-            _, scale = self.unpack(outputs)
+            _, scale, inverse = self.unpack(outputs)
             read_here(scale)
+            read_here(inverse)
             out._scale.copy_(scale)
+            assert out._inverse is not None  # `build` set it
+            out._inverse.copy_(inverse)
         refilled(out)
 
 

@@ -81,9 +81,9 @@ def _inverse_of(scale: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _weight_inverse(weight, scale: torch.Tensor | None) -> torch.Tensor | None:
-    """The inverse of a weight operand's scale: a gathered tensorwise weight brought its own
-    with the all-gather (`Float8Tensor._inverse`, a graph input when compiled), so no op per
-    GEMM; else `_inverse_of`."""
+    """The inverse of a weight operand's scale: a gathered tensorwise or rowwise weight
+    brought its own with the all-gather (`Float8Tensor._inverse`, a graph input when
+    compiled), so no op per GEMM; else `_inverse_of`."""
     inverse = weight._inverse if isinstance(weight, Float8Tensor) else None
     if inverse is not None and scale is weight._scale:  # the gathered scale itself
         return inverse
@@ -99,13 +99,6 @@ def _gemm(
     (a, a_scale), (b, b_scale) = left, right
     if a_scale is None or b_scale is None:  # both or neither (the config checks)
         return torch.mm(a.to(out_dtype), b.to(out_dtype))
-    inv_scales = None
-    if a_scale.dim() == 0 and b_scale.dim() == 0:  # tensorwise: each operand's own inverse
-        inv_a, inv_b = inverses
-        inv_scales = (
-            a_scale.reciprocal() if inv_a is None else inv_a,
-            b_scale.reciprocal() if inv_b is None else inv_b,
-        )
     return scaled_mm_data(
         a,
         a_scale,
@@ -118,7 +111,7 @@ def _gemm(
         pad_inner_dim=plan.pad_inner_dim or gemm is Gemm.GRAD_WEIGHT,
         blocks=plan.blocks[gemm],
         scale_dtype=plan.scale_dtypes[gemm],
-        inv_scales=inv_scales,
+        inv_scales=inverses,  # each operand's own `1 / scale` where it has one
     )
 
 

@@ -3,7 +3,8 @@
 Counted at the dispatcher with `CollectiveCounter`, on 2 ranks:
 - float8 all-gather: each converted weight travels at 1 byte per element, in forward and
   in backward after reshard (a tensorwise scale travels in no collective: every rank
-  derives the same; rowwise row scales add 4 bytes per row inside the same payload);
+  derives the same; rowwise row scales and their inverses add 8 bytes per row inside the same
+  payload);
 - the float8 refresh (no float8 call in the loop): exactly one all-reduce per step, in the
   optimizer step (the float8 step's post hook), for 2 or 8 layers, dynamic or delayed, and
   one more before the first forward (the ranks' configs are compared through the store, no
@@ -36,14 +37,15 @@ from tests.distributed.launcher import cpu_mesh, run_distributed
 
 def _expected_all_gather_bytes(model, world_size: int, fp8: bool, bf16: bool, rowwise: bool):
     """Bytes one rank sends per all-gather pass, split by block/root, from the param shapes:
-    float8 weights 1 byte/element (+ a float32 scale per row when rowwise), others 4 or 2."""
+    float8 weights 1 byte/element (+ a float32 scale and its inverse per row when rowwise),
+    others 4 or 2."""
     fp8_ids = {id(m.weight) for m in model.modules() if isinstance(m, Float8Linear)}
     per_param = {}
     for name, p in model.named_parameters():
         rows = math.ceil(p.shape[0] / world_size)
         shard_numel = rows * math.prod(p.shape[1:])
         if fp8 and id(p) in fp8_ids:
-            per_param[name] = shard_numel + (4 * rows if rowwise else 0)
+            per_param[name] = shard_numel + (8 * rows if rowwise else 0)
         else:
             per_param[name] = shard_numel * (2 if bf16 else 4)
     blocks = sum(v for k, v in per_param.items() if k.startswith("blocks."))

@@ -5,9 +5,9 @@ float8 (the linears stay fp32, so the expert bytes stand out), trained for 6 ste
 - losses equal, step by step, to a replicated single-process float8 reference with
   hand-averaged gradients (same seed, the same local batch: rowwise and grad_weight scales
   depend on which tokens a rank holds, so the reference holds the same ones);
-- forward all-gather bytes = 1 per expert weight element plus 4 per expert row for rowwise
-  (the row scales ride in the same payload), 4 per element for the fp32 rest; no amax
-  all-reduce for rowwise experts;
+- forward all-gather bytes = 1 per expert weight element plus 8 per expert row for rowwise
+  (the row scales and their inverses ride in the same payload), 4 per element for the fp32
+  rest; no amax all-reduce for rowwise experts;
 - shard size 1 (HSDP (2, 1): FSDP2 skips the all-gather), uneven experts (3 on 2 ranks) with
   tensorwise, and the refusal of uneven rowwise on every rank (no hang).
 """
@@ -65,7 +65,7 @@ def _expected_forward_bytes(model, shards: int, rowwise: bool) -> int:
         rows = math.ceil(p.shape[0] / shards)
         numel = rows * math.prod(p.shape[1:])
         if ".experts." in name:
-            total += numel + (4 * rows * p.shape[1] if rowwise else 0)
+            total += numel + (8 * rows * p.shape[1] if rowwise else 0)
         else:
             total += 4 * numel
     return total

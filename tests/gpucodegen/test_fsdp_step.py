@@ -16,8 +16,16 @@ BLOCKS = 2
 TRITON = {
     ("tensorwise", False): (24, 29),
     ("tensorwise", True): (22, 34),
-    ("rowwise", False): (25, 42),
-    ("rowwise", True): (22, 50),
+    ("rowwise", False): (18, 42),
+    ("rowwise", True): (15, 50),
+}
+# torchao 0.18's launches on the same step (`python -m tests.gpucodegen.compare_fsdp` with
+# torchao on the path; torchao gathers rowwise weights in bf16): the target is at most 0.8x
+TORCHAO = {
+    ("tensorwise", False): (31, 37),
+    ("tensorwise", True): (24, 60),
+    ("rowwise", False): (20, 58),
+    ("rowwise", True): (16, 72),
 }
 
 
@@ -32,6 +40,7 @@ def test_fsdp_step(recipe, ac):
     kinds = [g.kind for g in compiled.graphs]
     assert kinds == ["forward", "backward"], kinds
     assert tuple(g.triton for g in compiled.graphs) == TRITON[(recipe, ac)]
+    assert sum(TRITON[(recipe, ac)]) <= 0.8 * sum(TORCHAO[(recipe, ac)])
     for graph in compiled.graphs:
         assert graph.host_syncs == [], (graph.kind, graph.host_syncs)
         n = cases.LINEARS * (1 if graph.kind == "forward" else 2)
