@@ -271,7 +271,7 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
     if config.pad_inner_dim or config.emulate or (in_features % 16 == 0 and out_features % 16 == 0):
         return
     remedy = "set Float8LinearConfig(pad_inner_dim=True) or keep"
-    if config.uses_block_scales():  # block recipes refuse pad_inner_dim (config_blocks)
+    if config.uses_block_scales():  # block recipes refuse pad_inner_dim (config_rules)
         remedy = "block-scaled recipes cannot pad (pad_inner_dim is refused with them): keep"
     raise Float8ConfigError(
         f"Float8Linear({in_features}, {out_features}): float8 GEMMs contract over both dims, "

@@ -28,6 +28,8 @@ import fsdp_float8
 
 GONE = [
     "fsdp_float8.comm_stats",
+    "fsdp_float8.core.config_blocks",
+    "fsdp_float8.core.config_foreign",
     "fsdp_float8.delayed_state",
     "fsdp_float8.fsdp.delayed_state",
     "fsdp_float8.fsdp.weight_wrappers",
