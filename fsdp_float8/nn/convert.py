@@ -96,9 +96,10 @@ def convert_to_float8_training(
     `Float8LinearConfig` is converted field by field (`core.config.as_float8_linear_config`).
     Experts modules (torchtitan-style w1/w2/w3 or transformers gate_up_proj/down_proj) are
     swapped for float8 experts with `expert_config` (default: `config`) where
-    `expert_filter_fn` accepts them (default: all), and reported (`report.experts_converted` / `experts_skipped`). The
-    returned model gets its float8 step (`fsdp_float8.float8_step`): precomputed weight
-    scales and delayed-scaling state are refreshed after each optimizer step.
+    `expert_filter_fn` accepts them (default: all), and reported
+    (`report.experts_converted` / `experts_skipped`). The returned model gets its float8
+    step (`fsdp_float8.float8_step`): precomputed weight scales and delayed-scaling state
+    are refreshed after each optimizer step.
     """
     config = _layer_config(config)
     if expert_config is not None:
