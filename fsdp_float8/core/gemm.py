@@ -193,11 +193,12 @@ def scaled_mm_data(
         )  # fmt: skip
     n = b_data.shape[1]
     inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n, inv_scales)
-    # `row_and_column_major`, inline (one call fewer per GEMM)
-    a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
-    if not b_data.transpose(-2, -1).is_contiguous():
-        b_data = b_data.transpose(-2, -1).contiguous().transpose(-2, -1)
     cuda = not emulate and a_data.is_cuda
+    # `row_and_column_major`, inline (one call fewer per GEMM); on CUDA a column-major b
+    # with a wider leading dimension is taken as it is (`_strided_columns`)
+    a_data = a_data if a_data.is_contiguous() else a_data.contiguous()
+    if not b_data.transpose(-2, -1).is_contiguous() and not (cuda and _strided_columns(b_data)):
+        b_data = b_data.transpose(-2, -1).contiguous().transpose(-2, -1)
     if a_data.shape[1] % 16 or n % 16:  # else `_pad_to_16` has nothing to do
         a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)
     if emulate:
@@ -214,6 +215,19 @@ def scaled_mm_data(
                 a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
             )
     return out if out.shape[1] == n else out[:, :n].contiguous()  # cut N's padding
+
+
+def _strided_columns(b: torch.Tensor) -> bool:
+    """Whether `b` (K, N) is column-major as cuBLASLt reads it without a copy: unit stride
+    down each column, columns at least K apart and 16 bytes aligned (a view of a wider
+    transposed buffer, `formats.tensorwise.joint_columns`, whose offsets are multiples of
+    16 bytes)."""
+    return (
+        b.dim() == 2
+        and b.stride(0) == 1
+        and b.stride(1) >= max(1, b.shape[0])
+        and b.stride(1) * b.element_size() % 16 == 0
+    )
 
 
 def _pad_to_16(a_data, b_data, inv_b, pad_inner_dim: bool, cuda: bool):

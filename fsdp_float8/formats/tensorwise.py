@@ -131,9 +131,8 @@ class TensorwiseGather:
 class JointCast:
     """The output GEMM's input and weight cast together (`joint_cast`): `x` and `w` are
     row-major views of one float8 buffer (the output GEMM's operands); `columns` holds the
-    same bytes column-major, the input's (K, M) then the weight's (K, N), flat, for backward
-    (`joint_columns`): grad_weight's input and grad_input's weight, with no re-cast and no
-    transposed copy there."""
+    same bytes transposed, (K, M + N), for backward (`joint_columns`): grad_weight's input
+    and grad_input's weight, with no re-cast and no transposed copy there."""
 
     x: Pair
     w: Pair
@@ -141,9 +140,11 @@ class JointCast:
 
 
 def joint_columns(columns: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The column-major input (M, K) and weight (N, K) in a `JointCast.columns` buffer."""
-    x_t, w_t = columns[: m * k], columns[m * k :]
-    return x_t.view(k, m).t(), w_t.view(k, -1).t()
+    """The column-major input (M, K) and weight (N, K) in a `JointCast.columns` buffer
+    (K, M + N): views with leading dimension M + N, which the float8 GEMMs take as they are
+    (`core.gemm.scaled_mm_data`)."""
+    assert columns.shape[0] == k, (tuple(columns.shape), k)
+    return columns[:, :m].t(), columns[:, m:].t()
 
 
 def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
@@ -153,9 +154,10 @@ def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     from it (`core.scaling.stacked_scales`), one cast pass writing the stacked rows. The
     same bytes and scales as separate casts (a max is exact; each row is multiplied by its
     own tensor's scale, with no clamp, as `cast_to_float8_data` with `saturate=False`).
-    Compiled, that is three kernels where separate casts take six, and backward re-casts
-    no weight.
-    Memory: backward keeps the column-major copy, (M + N) x K bytes, where separate casts
+    Compiled on a GPU, that is three kernels where separate casts take six (an amax pass,
+    the scales, and one cast pass that reads each value once and writes it in both
+    layouts), and backward re-casts no weight.
+    Memory: backward keeps the transposed copy, (M + N) x K bytes, where separate casts
     keep the input's M x K (and re-cast the weight). Needs M and N multiples of 16 (the
     views' offsets and leading dims stay 16-byte aligned, as the float8 GEMMs need)."""
     m, k = x.shape
@@ -174,7 +176,8 @@ def joint_cast(x: torch.Tensor, w: torch.Tensor, plan: CastPlan) -> JointCast:
     # slice of a value not yet written would be computed again for each reader)
     rows = scaled.to(dtype).as_strided((m + n, k), (k, 1), 0)
     x_rows, w_rows = rows[:m], rows[m:]
-    # the same bytes column-major, the input's (K, M) then the weight's (K, N), flat: the
-    # views backward takes are dense (one copy of float8 bytes)
-    columns = torch.cat([x_rows.t().reshape(-1), w_rows.t().reshape(-1)])
+    # the same cast transposed, (K, M + N): one node over the same elements as the rows,
+    # which Inductor writes from the same kernel (each value read once, stored twice)
+    # rather than as a copy that reads the float8 rows back
+    columns = scaled.to(dtype).t().contiguous()
     return JointCast(x=(x_rows, x_scale), w=(w_rows, w_scale), columns=columns)

@@ -87,3 +87,31 @@ def test_two_e5m2_operands_are_refused_when_the_config_is_built():
     e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="both float8_e5m2"):
         Float8LinearConfig(cast_config_input=e5m2, cast_config_weight=e5m2)
+
+
+def test_joint_cast_columns_reach_the_gemms_without_a_copy():
+    """The joint cast's transposed buffer (K, M + N) gives backward column-major views with
+    leading dimension M + N; the CUDA float8 GEMMs take them as they are (the meta kernel's
+    "mat2 must be col_major" and the kernel rules pass) with no copy of float8 bytes."""
+    from fsdp_float8.core.cast_plan import CastPlan
+    from fsdp_float8.core.gemm import scaled_mm_data
+    from fsdp_float8.formats.tensorwise import joint_cast, joint_columns
+
+    m, k, n = 64, 128, 96
+    plan = CastPlan.from_config(Float8LinearConfig.from_recipe_name("tensorwise"))
+    with fake_cuda(H200) as rules:
+        x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+        joint = joint_cast(x, w, plan)
+        x_col, w_col = joint_columns(joint.columns, m, k)
+        assert x_col.stride() == (1, m + n) and w_col.stride() == (1, m + n)
+        go = torch.empty(m, n, device="cuda", dtype=torch.float8_e5m2)
+        go_t = torch.empty(n, m, device="cuda", dtype=torch.float8_e5m2)
+        one = torch.ones((), device="cuda")
+        before = dict(rules.calls)
+        # grad_input: go (M, N) @ w (N, K); grad_weight: go.T (N, M) @ x (M, K)
+        scaled_mm_data(go, one, w_col, one, out_dtype=torch.bfloat16)
+        scaled_mm_data(go_t, one, x_col, one, out_dtype=torch.bfloat16)
+        new = {name: c - before.get(name, 0) for name, c in rules.calls.items()}
+    assert new.get("_scaled_mm") == 2
+    assert not {"clone", "copy_", "_to_copy", "contiguous"} & {n for n, c in new.items() if c}

@@ -46,7 +46,8 @@ def test_joint_cast_equals_the_separate_casts(power_of_2, dtype, x_range, w_rang
         assert data.shape == ref_data.shape and data.stride() == ref_data.stride()
         assert torch.equal(_bytes(data), _bytes(ref_data))
     x_col, w_col = joint_columns(joint.columns, 48, 64)
-    assert x_col.stride() == (1, 48) and w_col.stride() == (1, 32)  # column-major
+    # column-major, leading dimension M + N: views of one (K, M + N) buffer
+    assert x_col.stride() == (1, 80) and w_col.stride() == (1, 80)
     assert torch.equal(_bytes(x_col), _bytes(x_ref[0])) and torch.equal(
         _bytes(w_col), _bytes(w_ref[0])
     )
