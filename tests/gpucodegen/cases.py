@@ -86,15 +86,22 @@ def block_args(n_layers: int = 1):
 
 
 @functools.cache
-def block(gpu: str, recipe: str) -> Compiled:
-    """One transformer block, float8 per `recipe`, compiled for `gpu`: forward + backward."""
+def block(gpu: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
+    """One transformer block, float8 per `recipe`, compiled for `gpu`: forward + backward.
+    `lib` "torchao": torchao's conversion of the same block (`compare_fsdp`)."""
     from tests.models import TransformerBlock, rope_tables
 
     args = block_args()
-    with gpu_codegen(gpu, cubin=recipe in CUBIN) as log:
+    with gpu_codegen(gpu, cubin=recipe in CUBIN and lib != "torchao") as log:
         with torch.device("meta"):
             model = TransformerBlock(args).to(torch.bfloat16)
-        convert_to_float8_training(model, config=config(recipe))
+        if lib == "torchao":
+            import torchao.float8 as ao
+
+            cfg = ao.Float8LinearConfig.from_recipe_name(recipe)
+            ao.convert_to_float8_training(model, config=cfg)
+        else:
+            convert_to_float8_training(model, config=config(recipe))
         cos, sin = rope_tables(args)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = model.to_empty(device="cuda")
