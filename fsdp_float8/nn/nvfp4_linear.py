@@ -209,6 +209,9 @@ def cast_stats(hp: torch.Tensor, q: nvfp4.NVFP4, rows: slice | None = None) -> t
     non-zero in `hp`, zero in `q`; SQNR: 20 log10(|hp| / |hp - dequantized q|), inf when
     exact. The fractions are over all of `hp`'s elements."""
     hp = hp.detach().to(torch.float32)
+    if hp.numel() == 0:  # an empty FSDP shard: nothing saturates or underflows
+        zero = torch.zeros((), dtype=torch.float32, device=hp.device)
+        return torch.stack([zero, zero, zero, zero, zero, zero + float("inf")])
     inv = q.block_inv_scale.to(torch.float32) * q.tensor_inv_scale
     if rows is not None:  # the factors of the blocks these rows lie in
         block_rows = q.block[0]
@@ -217,9 +220,6 @@ def cast_stats(hp: torch.Tensor, q: nvfp4.NVFP4, rows: slice | None = None) -> t
     deq = nvfp4.dequantize(q)
     deq = deq if rows is None else deq[rows]
     amax = tensor_amax(hp).reshape(())
-    if hp.numel() == 0:  # an empty FSDP shard: nothing saturates or underflows
-        zero = amax.new_zeros(())
-        return torch.stack([zero, zero, zero, zero, zero, zero + float("inf")])
     scale = inv.reciprocal()
     saturated = ((hp.abs() / per_element) > _SATURATES_ABOVE).float().mean()
     underflow = ((hp != 0) & (deq == 0)).float().mean()

@@ -16,7 +16,7 @@ from torch import nn
 from fsdp_float8 import convert_to_float8_training
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.numerics import sqnr_db
-from fsdp_float8.nn.nvfp4_linear import NVFP4Config, NVFP4Linear, _draws
+from fsdp_float8.nn.nvfp4_linear import NVFP4Config, NVFP4Linear, _draws, cast_stats
 from fsdp_float8.tools.telemetry import RECORD_FIELDS, Float8NumericsWarning, Float8Telemetry
 from fsdp_float8.weight_wrappers.nvfp4 import NVFP4Weight
 from tests.distributed.launcher import cpu_mesh, run_distributed
@@ -204,3 +204,12 @@ def test_fsdp2_nvfp4_all_gather_weight_is_compared_with_each_ranks_shard(tmp_pat
         }
         _check(second, expected)
         assert second["saturation"] == 0.0
+
+
+def test_an_empty_shard_has_nothing_to_report():
+    """FSDP2 hands a rank with no rows an empty shard: zeros (no amax, nothing saturates or
+    underflows) and an infinite SQNR (no error), read without raising."""
+    full = torch.randn(16, DIM)
+    q = nvfp4.quantize(full, full.abs().max(), nvfp4.WEIGHT_BLOCK)
+    stats = cast_stats(full[16:], q, slice(16, 16))
+    assert stats.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, float("inf")]
