@@ -61,12 +61,6 @@ def default_all_gather(args: argparse.Namespace) -> bool:
     return args.recipe in DEFAULT_ALL_GATHER if args.fp8_all_gather is None else args.fp8_all_gather
 
 
-# flags that NVFP4 layers cannot honour, as (attribute, flag, is it set?, why)
-_NOT_NVFP4 = (
-    ("numerics_every", "--numerics-every", bool, "the float8 telemetry reads float8 layers"),
-)
-
-
 def float8_config(args: argparse.Namespace) -> Float8LinearConfig | NVFP4Config | None:
     """The float8 config the flags ask for (None for ``--recipe off``; an NVFP4Config for
     ``--recipe nvfp4`` and ``nvfp4_4over6``); exits with the config's own message when the combination is
@@ -191,11 +185,6 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         except ValueError as err:
             problems.append(str(err))
     if args.recipe in NVFP4_RECIPES:
-        problems += [
-            f"{flag} has no effect with --recipe {args.recipe} ({why}); drop it"
-            for attr, flag, is_set, why in _NOT_NVFP4
-            if is_set(getattr(args, attr))
-        ]
         problems += _nvfp4_expert_problems(args)
     if not args.precompute and args.scaling != "dynamic":
         problems.append(

@@ -4,8 +4,10 @@ A *unit* is one weight parameter of a linear layer or of a float8 experts module
 the vector holds five float32 slots (weight amax, input amax, grad_output amax, ran,
 -ran); its length depends only on the model's structure (plain `nn.Linear`s get a unit of
 zeros too), never on rank-local state. One collective per reduction group:
-- a dynamic tensorwise float8-gathered weight (linear or expert) gets its precomputed
-  scale, stamped into its wrapper (`DynamicFloat8Weight.set_precomputed_scale`);
+- a gathered weight whose shard's cast needs the whole weight's amax (a `RefreshedWeight`:
+  dynamic tensorwise float8, linear or expert, or 4-bit) gets the stamp its class derives
+  from the reduced amax (`stamps_from_amaxes`: a precomputed float8 scale, or the amax
+  itself), stamped into its wrapper (`RefreshedWeight.set_precomputed_scale`);
 - a delayed-scaling layer's recorded amaxes are reduced, its histories rolled
   (`DelayedScalingState.apply_reduced`). A MAX over ranks of `ran` and `-ran` tells on the
   device whether the layer ran everywhere (roll), nowhere (keep), or on some ranks only (an
@@ -38,7 +40,7 @@ from fsdp_float8.core.delayed_state import DelayedScalingState
 from fsdp_float8.core.scaling import tensor_amaxes
 from fsdp_float8.fsdp.rank_agreement import fingerprint, handshake
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
-from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
+from fsdp_float8.weight_wrappers.refreshed import RefreshedWeight
 
 _SLOTS = (Operand.WEIGHT, Operand.INPUT, Operand.GRAD_OUTPUT)  # then ran, -ran
 _checked: weakref.WeakSet = weakref.WeakSet()  # modules whose ranks were found to agree
@@ -76,13 +78,14 @@ class Unit:
     def param(self) -> torch.Tensor:
         return getattr(self.module, self.name)
 
-    def dynamic_weight(self) -> DynamicFloat8Weight | None:
-        """The wrapper of a dynamic tensorwise float8-gathered weight (a precomputed scale)."""
+    def dynamic_weight(self) -> RefreshedWeight | None:
+        """The wrapper of a gathered weight whose stamp the refresh computes from the whole
+        weight's amax (a precomputed float8 scale, a 4-bit tensor amax)."""
         if not self.float8:
             return None
         w = self.param
         local = w._local_tensor if isinstance(w, DTensor) else w
-        if isinstance(local, DynamicFloat8Weight) and local.needs_global_amax:
+        if isinstance(local, RefreshedWeight) and local.needs_global_amax:
             return local
         return None
 
@@ -93,7 +96,7 @@ class Unit:
     # float8 step reads them of the units of a current `Structure` only, whose parameters
     # and their local tensors are the objects they were when it was built.
     @cached_property
-    def weight(self) -> DynamicFloat8Weight | None:
+    def weight(self) -> RefreshedWeight | None:
         return self.dynamic_weight()
 
     @cached_property
@@ -189,11 +192,11 @@ def _refresh_group(units: list[Unit], group: Group, delayed_due: set[int], at: s
     return len(weights), sum([len(s.operands) for i in states if (s := units[i].state)])
 
 
-def _stamp_scales(weights: list[tuple[int, DynamicFloat8Weight]], amaxes: torch.Tensor) -> None:
+def _stamp_scales(weights: list[tuple[int, RefreshedWeight]], amaxes: torch.Tensor) -> None:
     """Each weight's stamp from its reduced amax (`amaxes[i]`), as its class says
-    (`stamps_from_amaxes`: a precomputed scale, with its inverse when the class asks),
-    once per (rule, float8 dtype, power-of-two rule) over all its weights."""
-    by_rule: dict[tuple, list[tuple[int, DynamicFloat8Weight]]] = {}
+    (`stamps_from_amaxes`: a precomputed scale or the amax, with its inverse when the class
+    asks), once per (rule, float8 dtype, power-of-two rule) over all its weights."""
+    by_rule: dict[tuple, list[tuple[int, RefreshedWeight]]] = {}
     for i, w in weights:
         cls, cast = type(w), w._cast
         rule = (cls.stamps_from_amaxes, cls.STAMPS_INVERSE, cast.float8_dtype, cast.power_of_2)

@@ -2,8 +2,8 @@
 
 Mental model. Float8 training keeps scale state outside the forward:
 - the precomputed scale of each dynamic tensorwise float8-gathered weight (a linear's or an
-  expert's): the weight's amax over all ranks, so its FSDP2 all-gather needs no collective
-  of its own. It is stale when the weight's values changed (the wrappers track in-place
+  expert's), and the tensor amax of each 4-bit gathered weight: from the weight's amax over
+  all ranks, so its FSDP2 all-gather needs no collective of its own. It is stale when the weight's values changed (the wrappers track in-place
   writes: optimizer updates, checkpoint loads, `state_dict()` tensors written in place);
 - delayed scaling: the amaxes recorded since the last sync are reduced across ranks and
   rolled into the histories (`delayed_state`), once per training step.

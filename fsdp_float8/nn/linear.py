@@ -23,7 +23,6 @@ N x K bytes more (the weight in float8) until the layer's backward.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn import functional as F
@@ -46,8 +45,8 @@ from fsdp_float8.core.gemms import (
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
 from fsdp_float8.formats.weight_operands import joint_place, weight_for
 from fsdp_float8.nn.cast_words import cast_configs
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, state_dict_weight
-from fsdp_float8.weight_wrappers.wrap import wrap_weight
+from fsdp_float8.nn.layer import QuantizedLinear
+from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
 def cast_operand(hp, operand, gemm, plan: CastPlan, states: dict) -> Pair:
@@ -281,55 +280,33 @@ def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig)
     )
 
 
-class Float8Linear(nn.Linear):
+class Float8Linear(QuantizedLinear):
     """nn.Linear with float8 GEMMs. Build it with `from_float` (shares the parameters) or
-    `convert_to_float8_training`."""
+    `convert_to_float8_training`. `from_float`, `wrap_weight_for_fsdp`, the state-dict
+    hooks and `float8_weight_names` are every quantized linear's (`QuantizedLinear`)."""
 
     # set by the float8 tensor-parallel styles (`fsdp_float8.tensor_parallel.styles`)
     tensor_parallel: object | None = None
-    # what the float8 step asks (`fsdp_float8.fsdp.refresh.Float8Module`): the float8 weights
-    float8_weight_names: tuple[str, ...] = ("weight",)
+    config: Float8LinearConfig
 
     def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.config = as_float8_linear_config(config)
+        super().__init__(*args, config=config, **kwargs)
+
+    @classmethod
+    def layer_config(cls, config) -> Float8LinearConfig:
+        return as_float8_linear_config(config)
+
+    @classmethod
+    def check_device(cls, device: torch.device, config: Float8LinearConfig) -> None:
+        check_float8_gemm_device(device, emulate=config.emulate)
+
+    def prepare(self) -> None:
         _check_dims(self.in_features, self.out_features, self.config)
         if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
-            check_float8_gemm_device(self.weight.device, emulate=self.config.emulate)
+            self.check_device(self.weight.device, self.config)
         self.plan = CastPlan.from_config(self.config)
         # before the weight is wrapped: a delayed float8-gathered weight's scale source
         self.delayed_scaling = DelayedScalingState.for_config(self.config, self.weight.device)
-        self.register_load_state_dict_post_hook(_keep_weight_wrapped)
-        self._register_state_dict_hook(_plain_weight_in_state_dict)
-        self.wrap_weight_for_fsdp()
-
-    @classmethod
-    def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
-        if not isinstance(mod, nn.Linear):
-            raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
-        config = as_float8_linear_config(config)
-        emulate = config.emulate
-        check_float8_gemm_device(mod.weight.device, emulate=emulate)
-        with torch.device("meta"):
-            new = cls(mod.in_features, mod.out_features, bias=False, config=config)
-        new.weight = mod.weight  # shared, not copied
-        new.bias = mod.bias
-        new.delayed_scaling = DelayedScalingState.for_config(new.config, mod.weight.device)
-        new.wrap_weight_for_fsdp()
-        return new
-
-    def wrap_weight_for_fsdp(self) -> None:
-        """With `enable_fsdp_float8_all_gather`, make the weight (or a DTensor weight's local
-        tensor) a float8 weight wrapper, so FSDP2 gathers it in float8: every path that
-        builds or reloads the layer ends here (idempotent; the storage is shared)."""
-        if not self.config.enable_fsdp_float8_all_gather:
-            return
-        weight = self.weight
-        if isinstance(weight, DTensor):
-            if not isinstance(weight._local_tensor, Float8WeightWrapper):
-                weight._local_tensor = wrap_weight(weight._local_tensor, self).data
-        elif not isinstance(weight, Float8WeightWrapper):
-            self.weight = wrap_weight(weight, self)
 
     # torchao's Float8Linear attributes, read by code written for it (its tensor-parallel
     # styles check that input and grad_output are dynamically scaled)
@@ -429,20 +406,6 @@ def _refuse_dtype_mismatch(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> N
         "run the forward under torch.autocast, or give FSDP2 a MixedPrecisionPolicy("
         "param_dtype=...) that casts the inputs of its modules"
     )
-
-
-def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    key = prefix + "weight"
-    if key in state_dict:
-        # the parameter's own inner tensor (detached by autograd, so it shares the version
-        # counter): a loader writing into it in place is seen by the wrapper's WeightState
-        weight = module.weight
-        state_dict[key] = state_dict_weight(weight, detach=state_dict[key] is not weight)
-
-
-def _keep_weight_wrapped(module: Float8Linear, incompatible_keys) -> None:
-    # load_state_dict(assign=True) swaps in the checkpoint's plain tensor
-    module.wrap_weight_for_fsdp()
 
 
 def _require_float8_weight(weight) -> None:

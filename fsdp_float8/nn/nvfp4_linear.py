@@ -48,14 +48,14 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_float8.core import nvfp4
+from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.config_fields import Float8ConfigError
-from fsdp_float8.core.gemms import Gemm, refuse_double_backward
+from fsdp_float8.core.gemms import PRIMARY_GEMM, Gemm, Operand, refuse_double_backward
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.formats.operands import GatheredOperands
-from fsdp_float8.nn.linear import _plain_weight_in_state_dict
+from fsdp_float8.nn.layer import QuantizedLinear
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight, gemm_operand
-from fsdp_float8.weight_wrappers.wrap import note_replaced
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class NVFP4Config:
     # what conversion reads of any layer config
     pad_inner_dim: ClassVar[bool] = False
     linear_class: ClassVar[type]  # set below: NVFP4Linear
+    weight_wrapper: ClassVar[type]  # set below: NVFP4FSDPWeight (what `wrap_weight` builds)
 
     def __post_init__(self) -> None:
         for name in (
@@ -195,6 +196,38 @@ def _weight_operand(w: _QuantizedWeight, gemm: Gemm, emulate: bool) -> nvfp4.Gem
     return gemm_operand(w.record, w.operands, gemm)
 
 
+# |x| / (block factor * tensor factor) beyond this clamps by more than rounding: the e2m1
+# max 6 plus half its step to the next power of two (8)
+_SATURATES_ABOVE = (nvfp4.E2M1_MAX + 8.0) / 2
+
+
+def cast_stats(hp: torch.Tensor, q: nvfp4.NVFP4, rows: slice | None = None) -> torch.Tensor:
+    """(amax, min scale, max scale, saturation, underflow, SQNR in dB) of `q`, the NVFP4 cast
+    of `hp`, as one float32 device tensor (`rows`: `hp` is these rows of `q`). A block's
+    scale is 1 / (its e4m3 factor * the tensor factor); saturation: the fraction of elements
+    whose scaled magnitude is above the e2m1 max by more than rounding (> 7); underflow:
+    non-zero in `hp`, zero in `q`; SQNR: 20 log10(|hp| / |hp - dequantized q|), inf when
+    exact. The fractions are over all of `hp`'s elements."""
+    hp = hp.detach().to(torch.float32)
+    if hp.numel() == 0:  # an empty FSDP shard: nothing saturates or underflows
+        zero = torch.zeros((), dtype=torch.float32, device=hp.device)
+        return torch.stack([zero, zero, zero, zero, zero, zero + float("inf")])
+    inv = q.block_inv_scale.to(torch.float32) * q.tensor_inv_scale
+    if rows is not None:  # the factors of the blocks these rows lie in
+        block_rows = q.block[0]
+        inv = inv[rows.start // block_rows : -(-rows.stop // block_rows)]
+    per_element = expand_block_scale(inv, q.block, hp.shape)
+    deq = nvfp4.dequantize(q)
+    deq = deq if rows is None else deq[rows]
+    amax = tensor_amax(hp).reshape(())
+    scale = inv.reciprocal()
+    saturated = ((hp.abs() / per_element) > _SATURATES_ABOVE).float().mean()
+    underflow = ((hp != 0) & (deq == 0)).float().mean()
+    noise = (hp - deq).norm()
+    sqnr = 20 * torch.log10(hp.norm() / noise)
+    return torch.stack([amax, scale.min(), scale.max(), saturated, underflow, sqnr])
+
+
 def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
     """(rows, tokens) with zero tokens appended up to a multiple of 16 (they add nothing),
     row-major. The input is made row-major first: a pad of 0 keeps a transposed input's
@@ -254,18 +287,29 @@ class _NVFP4LinearFn(torch.autograd.Function):
         return grad_x.reshape(x_shape), grad_w, None
 
 
-class NVFP4Linear(nn.Linear):
+class NVFP4Linear(QuantizedLinear):
     """nn.Linear with NVFP4 GEMMs (module docstring). Build it with `from_float` or
-    `convert_to_float8_training(model, config=NVFP4Config())`."""
+    `convert_to_float8_training(model, config=NVFP4Config())`. `from_float`,
+    `wrap_weight_for_fsdp` (the weight as an `NVFP4FSDPWeight`), the state-dict hooks and
+    `float8_weight_names` are every quantized linear's (`QuantizedLinear`)."""
 
-    float8_weight_names: tuple[str, ...] = ("weight",)  # what the float8 step asks
     delayed_scaling = None  # NVFP4 scales are dynamic
 
     def __init__(self, *args, config: NVFP4Config | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.config = NVFP4Config() if config is None else config
-        if not isinstance(self.config, NVFP4Config):
-            raise TypeError(f"config must be an NVFP4Config, got {type(self.config).__name__}")
+        super().__init__(*args, config=config, **kwargs)
+
+    @classmethod
+    def layer_config(cls, config) -> NVFP4Config:
+        config = NVFP4Config() if config is None else config
+        if not isinstance(config, NVFP4Config):
+            raise TypeError(f"config must be an NVFP4Config, got {type(config).__name__}")
+        return config
+
+    @classmethod
+    def check_device(cls, device: torch.device, config: NVFP4Config) -> None:
+        nvfp4.check_nvfp4_gemm_device(device, emulate=config.emulate)
+
+    def prepare(self) -> None:
         if self.in_features % 16 or self.out_features % 16:
             raise Float8ConfigError(
                 f"NVFP4 needs both linear dims to be multiples of 16 (1x16 blocks, 16x16 "
@@ -273,38 +317,8 @@ class NVFP4Linear(nn.Linear):
                 "high precision with module_filter_fn"
             )
         if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
-            nvfp4.check_nvfp4_gemm_device(self.weight.device, emulate=self.config.emulate)
+            self.check_device(self.weight.device, self.config)
         self.fqn = ""  # named by conversion: seeds the layer's random draws
-        self.register_load_state_dict_post_hook(_keep_weight_wrapped)
-        self._register_state_dict_hook(_plain_weight_in_state_dict)
-        self.wrap_weight_for_fsdp()
-
-    @classmethod
-    def from_float(cls, mod: nn.Linear, config: NVFP4Config | None = None) -> NVFP4Linear:
-        if not isinstance(mod, nn.Linear):
-            raise TypeError(f"from_float expects an nn.Linear, got {type(mod).__name__}")
-        emulate = config.emulate if isinstance(config, NVFP4Config) else False
-        nvfp4.check_nvfp4_gemm_device(mod.weight.device, emulate=emulate)
-        with torch.device("meta"):
-            new = cls(mod.in_features, mod.out_features, bias=False, config=config)
-        new.weight = mod.weight  # shared, not copied
-        new.bias = mod.bias
-        new.wrap_weight_for_fsdp()
-        return new
-
-    def wrap_weight_for_fsdp(self) -> None:
-        """With float8 (here NVFP4) all-gather, make the weight an `NVFP4FSDPWeight`."""
-        if not self.config.enable_fsdp_float8_all_gather:
-            return
-        weight = self.weight
-        if isinstance(weight, DTensor):
-            if not isinstance(weight._local_tensor, Float8WeightWrapper):
-                weight._local_tensor = NVFP4FSDPWeight(weight._local_tensor, self.config)
-        elif not isinstance(weight, Float8WeightWrapper):
-            if weight.device.type != "meta":
-                note_replaced(weight, f"weight {tuple(weight.shape)} of an NVFP4Linear")
-            wrapped = NVFP4FSDPWeight(weight.data, self.config)
-            self.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
 
     @property
     def fqn(self) -> str:
@@ -361,6 +375,49 @@ class NVFP4Linear(nn.Linear):
                 out = out + self.bias.to(out.dtype)
         return out
 
+    # -- telemetry (`fsdp_float8.tools.telemetry`: what each cast does to its operand) ----
+    TELEMETRY_FORMAT: ClassVar[str] = "nvfp4"  # the records' format word (float8: its dtype)
+    # the cast observed per operand: the first GEMM's, as the layer casts it
+    TELEMETRY_CASTS: ClassVar[dict[Operand, Gemm]] = PRIMARY_GEMM
+
+    def telemetry_stats(self, operand: Operand, hp: torch.Tensor) -> torch.Tensor:
+        """`cast_stats` of the layer's cast of `hp` (2-D) as `operand` for its first GEMM:
+        the input in 1x16 blocks, the weight in 16x16 tiles (each with its own amax, as an
+        unsharded layer casts them), grad_output in 1x16 blocks with the layer's rounding
+        (its stochastic draws, which depend only on the layer and the gradient's bits)."""
+        fos = self.config.four_over_six
+        if operand is Operand.WEIGHT:
+            return cast_stats(
+                hp, nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK, four_over_six=fos)
+            )
+        draws = None
+        if operand is Operand.GRAD_OUTPUT and self.config.stochastic_rounding:
+            draws = _draws(hp, self.layer_seed, 0)
+        q = nvfp4.quantize(
+            hp, _amax(hp), nvfp4.ACTIVATION_BLOCK, generator=draws, four_over_six=fos
+        )
+        return cast_stats(hp, q)
+
+    def telemetry_weight_stats(self, sharded: DTensor | None) -> tuple[torch.Tensor, bool]:
+        """`cast_stats` of the weight as the forward about to run takes it, and whether its
+        saturation, underflow and SQNR are known. An unsharded weight: `telemetry_stats`.
+        FSDP2's gathered `NVFP4Weight`: this rank's rows of it against this rank's shard
+        (`sharded`, the FSDP2 sharded parameter: exactly what the shard's all-gather cast);
+        without it only the amax and scales of the gathered weight are known."""
+        weight = self.weight
+        if not isinstance(weight, NVFP4Weight):
+            return self.telemetry_stats(Operand.WEIGHT, plain_weight(weight)), True
+        if sharded is None:
+            deq = nvfp4.dequantize(weight.record)
+            stats = cast_stats(deq, weight.record)
+            stats[3:] = float("nan")
+            return stats, False
+        shard = plain_weight(sharded.to_local())
+        world = sharded.device_mesh.size()
+        start = sharded.device_mesh.get_local_rank() * -(-weight.shape[0] // world)
+        rows = slice(start, start + shard.shape[0])
+        return cast_stats(shard, weight.record, rows), True
+
     def extra_repr(self) -> str:
         c = self.config
         flags = f"hadamard_gw={c.hadamard_grad_weight}, sr_go={c.stochastic_rounding}"
@@ -371,10 +428,7 @@ class NVFP4Linear(nn.Linear):
 
 
 NVFP4Config.linear_class = NVFP4Linear
-
-
-def _keep_weight_wrapped(module: NVFP4Linear, incompatible_keys) -> None:
-    module.wrap_weight_for_fsdp()  # load_state_dict(assign=True) swaps in a plain tensor
+NVFP4Config.weight_wrapper = NVFP4FSDPWeight
 
 
 def high_precision_ends(model: nn.Module, first: int = 1, last: int = 1, *, blocks: str = "layers"):

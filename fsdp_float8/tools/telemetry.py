@@ -1,4 +1,4 @@
-"""Per-layer float8 numerics telemetry: what each cast of each Float8Linear does to its operand.
+"""Per-layer numerics telemetry: what each cast of each quantized linear does to its operand.
 
     tel = Float8Telemetry(model, every=100, saturation_warn=1e-3, underflow_warn=0.1)
     for batch in data:
@@ -29,8 +29,20 @@ One record per (sampled step, layer, operand, GEMM cast):
   rounded up, i.e. warn about layers that are fine.
 - `underflow`: fraction of elements non-zero in hp and zero in float8
   (`numerics.underflow_fraction`).
+- `sqnr`: None for a float8 cast (see below for the 4-bit layer's).
 Both fractions are over all elements of the operand. `None` marks a value that cannot be
 known (see weights).
+
+A quantized linear of a format with a layer of its own (the 4-bit linear) computes
+its records itself (its `telemetry_stats` / `telemetry_weight_stats`, the cast it observes
+per operand in `TELEMETRY_CASTS`): input, weight and grad_output, each cast for its first
+GEMM as the layer casts it (grad_output with the layer's stochastic rounding draws).
+`float8_dtype` is then the format's word (`TELEMETRY_FORMAT`); `amax` as above; `scale`,
+`scale_max`: the extremes over the blocks of 1 / (block factor * tensor factor);
+`saturation`: scaled magnitudes above the largest value that rounds to the format's max;
+`underflow` as above; `sqnr`: 20 log10(|hp| / |hp - dequantized|) in dB. Its weight,
+gathered by FSDP2, is compared row for row with this rank's shard; `all_casts` adds
+nothing for it.
 
 Where each operand is observed:
 - input: a forward pre-hook, after autocast's cast as the layer does it.
@@ -62,7 +74,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -88,8 +100,9 @@ RECORD_FIELDS = (
     "scale_max",
     "saturation",
     "underflow",
+    "sqnr",
 )
-_STATS = ("amax", "scale", "scale_max", "saturation", "underflow")
+_STATS = ("amax", "scale", "scale_max", "saturation", "underflow", "sqnr")
 
 
 class Float8NumericsWarning(UserWarning):
@@ -114,18 +127,36 @@ def cast_stats(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype)
     )
 
 
+class ObservedLayer(Protocol):
+    """A quantized linear that computes its own records (a format with a layer of its own,
+    the 4-bit one): `Float8Telemetry` observes it through these, without its class."""
+
+    TELEMETRY_FORMAT: str
+    TELEMETRY_CASTS: dict[Operand, Gemm]
+    training: bool
+
+    def telemetry_stats(self, operand: Operand, hp: torch.Tensor) -> torch.Tensor: ...
+
+    def telemetry_weight_stats(self, sharded: DTensor | None) -> tuple[torch.Tensor, bool]: ...
+
+
+def _observes_itself(m: nn.Module) -> bool:
+    return callable(getattr(m, "telemetry_stats", None))
+
+
 @dataclass
 class _Pending:
     step: int
     layer: str
     operand: Operand
     gemm: Gemm
-    float8_dtype: torch.dtype
-    stats: torch.Tensor  # (5,) float32 on the operand's device, NaN for unknown
+    float8_dtype: torch.dtype | str
+    stats: torch.Tensor  # (6,) float32 on the operand's device, NaN for unknown
 
 
 class Float8Telemetry:
-    """Samples every `every` steps the float8 casts of every Float8Linear in `model`.
+    """Samples every `every` steps the casts of every Float8Linear (and 4-bit linear) in
+    `model`.
 
     Call `step()` once per training step (after the optimizer step); the step numbered
     `current_step` is sampled when `current_step % every == 0` (step 0 is). Thresholds of
@@ -150,19 +181,26 @@ class Float8Telemetry:
         ):
             if value is not None and not 0 <= value <= 1:
                 raise ValueError(f"{name}={value!r} is a fraction of elements; use [0, 1] or None")
-        self.layers: dict[str, Float8Linear] = {
-            fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)
+        self.layers: dict[str, Any] = {
+            fqn: m
+            for fqn, m in model.named_modules()
+            if isinstance(m, Float8Linear) or (isinstance(m, nn.Linear) and _observes_itself(m))
         }
         if not self.layers:
             raise ValueError(
-                f"{type(model).__name__} has no Float8Linear to observe; call "
+                f"{type(model).__name__} has no Float8Linear (or 4-bit linear) to observe; call "
                 "convert_to_float8_training(model, ...) before attaching Float8Telemetry"
             )
         self.every = every
         self.saturation_warn = saturation_warn
         self.underflow_warn = underflow_warn
         self.current_step = start_step
-        self._casts = {fqn: _observed_casts(m.plan, all_casts) for fqn, m in self.layers.items()}
+        self._casts = {
+            fqn: _observed_casts(m.plan, all_casts)
+            if isinstance(m, Float8Linear)
+            else {op: [gemm] for op, gemm in m.TELEMETRY_CASTS.items()}
+            for fqn, m in self.layers.items()
+        }
         self._pending: list[_Pending] = []
         self._host: list[dict[str, Any]] = []
         self._sharded_weights: dict[str, DTensor] = {}
@@ -258,15 +296,24 @@ class Float8Telemetry:
     # -- statistics ------------------------------------------------------------------------
     def _observe(self, fqn, module, operand, hp, *, step: int | None = None) -> None:
         step = self.current_step if step is None else step
+        if not isinstance(module, Float8Linear):  # a layer that observes itself
+            for gemm in self._casts[fqn].get(operand, ()):
+                stats = module.telemetry_stats(operand, hp)
+                self._add(step, fqn, operand, gemm, module.TELEMETRY_FORMAT, stats)
+            return
         for gemm in self._casts[fqn].get(operand, ()):
             strategy = module.plan.strategies[(operand, gemm)]
+            assert strategy is not None  # `_observed_casts` keeps the enabled casts only
             dtype = module.plan.dtypes[(operand, gemm)]
             dim = CONTRACTION_DIM[(gemm, operand)]
             scale = strategy.scale(hp, dim, dtype, _scratch_state(module, operand))
             scale = strategy.granularity.broadcastable(scale, hp, dim)  # block scales expand
             self._add(step, fqn, operand, gemm, dtype, cast_stats(hp, scale, dtype))
 
-    def _observe_weight(self, fqn: str, module: Float8Linear) -> None:
+    def _observe_weight(self, fqn: str, module) -> None:
+        if not isinstance(module, Float8Linear):
+            self._observe_own_weight(fqn, module)
+            return
         weight = module.weight
         if not isinstance(weight, Float8Tensor):
             self._observe(fqn, module, Operand.WEIGHT, plain_weight(weight))
@@ -294,7 +341,19 @@ class Float8Telemetry:
             stats[3:] = float("nan")
         self._add(self.current_step, fqn, Operand.WEIGHT, gemms[0], weight.float8_dtype, stats)
 
+    def _observe_own_weight(self, fqn: str, module: ObservedLayer) -> None:
+        gemms = self._casts[fqn].get(Operand.WEIGHT, ())
+        if not gemms:
+            return
+        stats, known = module.telemetry_weight_stats(self._sharded_weights.get(fqn))
+        if not known:
+            self._warn_no_shard(fqn)
+        fmt = module.TELEMETRY_FORMAT
+        self._add(self.current_step, fqn, Operand.WEIGHT, gemms[0], fmt, stats)
+
     def _add(self, step, fqn, operand, gemm, dtype, stats) -> None:
+        if stats.numel() < len(_STATS):  # a float8 cast's: no SQNR
+            stats = torch.cat([stats, stats.new_full((len(_STATS) - stats.numel(),), math.nan)])
         self._pending.append(_Pending(step, fqn, operand, gemm, dtype, stats))
 
     def _find_sharded_weights(self) -> None:
@@ -309,7 +368,7 @@ class Float8Telemetry:
             return
         self._warned_no_shard.add(fqn)
         warnings.warn(
-            f"Float8Telemetry: {fqn}.weight arrived as a float8 all-gathered Float8Tensor and "
+            f"Float8Telemetry: {fqn}.weight arrived all-gathered (quantized) and "
             "no FSDP2 sharded weight is known yet, so its saturation and underflow are "
             "recorded as None this step; attach Float8Telemetry after fully_shard",
             Float8NumericsWarning,
@@ -329,7 +388,7 @@ class Float8Telemetry:
                 "layer": p.layer,
                 "operand": p.operand.value,
                 "gemm": p.gemm.value,
-                "float8_dtype": str(p.float8_dtype).replace("torch.float8_", ""),
+                "float8_dtype": str(p.float8_dtype).replace("torch.float8_", ""),  # or a format
             }
             record.update({k: None if math.isnan(v) else v for k, v in zip(_STATS, row)})
             self._check(record)
@@ -344,12 +403,17 @@ class Float8Telemetry:
             if limit is None or value is None or not value > limit:
                 continue
             warnings.warn(
-                f"float8 {stat} in {r['layer']} ({r['operand']}, {r['gemm']} GEMM, "
+                f"{_kind(r['float8_dtype'])} {stat} in {r['layer']} ({r['operand']}, {r['gemm']} GEMM, "
                 f"{r['float8_dtype']}) at step {r['step']}: {value:.3g} of elements > "
                 f"threshold {limit:g} (amax {r['amax']:.3g}, scale {r['scale']:.3g})",
                 Float8NumericsWarning,
                 stacklevel=3,
             )
+
+
+def _kind(dtype_word: str) -> str:
+    """What a warning calls a record's cast: float8, or the format's word."""
+    return "float8" if dtype_word.startswith(("e4m3", "e5m2")) else dtype_word
 
 
 def _observed_casts(plan: CastPlan, all_casts: bool) -> dict[Operand, list[Gemm]]:

@@ -30,12 +30,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
-from fsdp_float8.core.config import Float8LinearConfig
 from fsdp_float8.core.families import one_scale, recipes_where
 from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
-from fsdp_float8.weight_wrappers.cast import WeightCast
+from fsdp_float8.weight_wrappers.cast import LayerConfig, WeightCast
 from fsdp_float8.weight_wrappers.state import _WRITTEN, WeightState, written_args
 
 aten = torch.ops.aten
@@ -89,7 +88,7 @@ class Float8WeightWrapper(torch.Tensor):
     def __new__(
         cls,
         tensor: torch.Tensor,
-        config: Float8LinearConfig,
+        config: LayerConfig,
         state: WeightState | None = None,
         *,
         cast: WeightCast | None = None,
@@ -105,10 +104,17 @@ class Float8WeightWrapper(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
         self._tensor = tensor
-        self._cast = cast if cast is not None else WeightCast.of(config)
+        self._cast = cast if cast is not None else cls.cast_of(config)
         self._state = state if state is not None else WeightState()
         self._state.register(tensor)
         return self
+
+    @classmethod
+    def cast_of(cls, config: LayerConfig) -> WeightCast:
+        """The all-gather cast of a weight of this class built from `config` (once per
+        wrapper built from a config; FSDP2's copies and views share it): the float8
+        weight cast of a `Float8LinearConfig` here, a format of its own in a subclass."""
+        return WeightCast.of(config)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._tensor!r})"
@@ -213,7 +219,7 @@ class Float8WeightWrapper(torch.Tensor):
         return self._cast
 
     @property
-    def _config(self) -> Float8LinearConfig:
+    def _config(self) -> LayerConfig:
         """The config the cast was resolved from (its serialized form)."""
         return self._cast.config
 
@@ -223,8 +229,15 @@ class Float8WeightWrapper(torch.Tensor):
 
     @property
     def strategy(self) -> ScalingStrategy:
-        """The weight's scaling strategy (its all-gather cast): scale path and rules."""
-        return self._cast.strategy
+        """The weight's float8 scaling strategy (its all-gather cast): scale path and rules.
+        A format that quantizes by its own rules (the 4-bit one) has none."""
+        strategy = self._cast.strategy
+        if strategy is None:
+            raise TypeError(
+                f"{type(self).__name__} has no float8 scaling strategy: its format "
+                f"({self._cast.family.name}) quantizes its shard by its own rules"
+            )
+        return strategy
 
     @property
     def per_row(self) -> bool:
@@ -285,15 +298,17 @@ class Float8WeightWrapper(torch.Tensor):
         sharded = getattr(module, self.param_name, None)
         cast = self._cast
         emulate, shards, dtype = cast.emulate, mesh.size(), cast.float8_dtype
+        strategy = cast.strategy
+        assert strategy is not None  # a float8 cast (other formats pack their own shard)
         # a dynamic scale's amax covers the shard (its own, or the whole weight's)
-        saturate = not cast.strategy.own_amax
+        saturate = not strategy.own_amax
         place = cast.place
         if cast.per_row:
             place.check_rows(outer_size[0], shards)  # every rank sees this: no rank hangs
             group = shard_group(sharded, (self.ROW_SCALE_DIM,), None)
             # the scale comes from the shard's values alone (no collective, so ranks cannot
             # disagree on whether to run one): the pack is reusable while they stand
-            reusable = group is None and cast.strategy.own_amax
+            reusable = group is None and strategy.own_amax
             scale = self.float8_scale(group)
             data = cast_to_float8_data(self._tensor, scale, dtype, saturate=saturate)
             # a 3-D expert weight (E, out, in) is sharded over experts; its rows are out rows

@@ -1,6 +1,7 @@
 """A weight's all-gather cast, resolved once from its config: `WeightCast`.
 
-A weight wrapper is built from a `Float8LinearConfig`, but its all-gather hooks run every
+A weight wrapper is built from its layer's config (a `Float8LinearConfig`, or the config
+of a format with a layer of its own, the 4-bit one), but its all-gather hooks run every
 step: they read this frozen record (the weight's scaling strategy, float8 dtype, whether
 the scales are per row, whether its shard's scale needs the whole weight's amax, its
 format's place, emulation, a static scale) and never look anything up in the config.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -22,10 +24,24 @@ from fsdp_float8.core.scaling import DelayedScaling, DynamicScaling, ScalingStra
 from fsdp_float8.formats.weight_operands import place_of
 
 
+class LayerConfig(Protocol):
+    """What every layer config a weight wrapper is built from has (`Float8LinearConfig`,
+    the 4-bit layer's config): frozen, so a wrapper keeps it as its serialized form."""
+
+    @property
+    def enable_fsdp_float8_all_gather(self) -> bool: ...
+
+    @property
+    def emulate(self) -> bool: ...
+
+
 @dataclass(frozen=True, eq=False)
 class WeightCast:
-    config: Float8LinearConfig  # the serialized form; the hooks read the fields below
-    strategy: ScalingStrategy
+    config: LayerConfig  # the serialized form; the hooks read the fields below
+    # the float8 cast's scaling strategy; None for a format whose wrapper quantizes the
+    # shard by its own rules (the 4-bit one): the float8 readers assert it
+    # (`Float8WeightWrapper.strategy`)
+    strategy: ScalingStrategy | None
     float8_dtype: torch.dtype
     family: Family  # its format family: what the float8 step and the hooks ask
     power_of_2: bool  # scales rounded down to a power of two (the strategy's rule)
@@ -40,7 +56,14 @@ class WeightCast:
         object.__setattr__(self, "needs_global_amax", self.family.needs_global_amax)
 
     @classmethod
-    def of(cls, config: Float8LinearConfig) -> WeightCast:
+    def of(cls, config: LayerConfig) -> WeightCast:
+        """The float8 all-gather cast of a `Float8LinearConfig`'s weight."""
+        if not isinstance(config, Float8LinearConfig):
+            raise TypeError(
+                f"a float8 weight wrapper is built from a Float8LinearConfig, got "
+                f"{type(config).__name__}; build the weight of another format's layer with "
+                "fsdp_float8.weight_wrappers.wrap.wrap_weight(weight, layer)"
+            )
         cast = config.cast(Operand.WEIGHT, Gemm.OUTPUT)
         strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
         if strategy is None:

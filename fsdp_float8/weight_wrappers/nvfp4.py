@@ -44,8 +44,8 @@ from fsdp_float8.core.gemms import Gemm
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.formats.operands import GatheredOperands
 from fsdp_float8.weight_wrappers.block import check_block_shards
-from fsdp_float8.weight_wrappers.cast import WeightCast
-from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
+from fsdp_float8.weight_wrappers.cast import LayerConfig, WeightCast
+from fsdp_float8.weight_wrappers.refreshed import RefreshedWeight
 
 aten = torch.ops.aten
 TILE = nvfp4.WEIGHT_BLOCK
@@ -133,12 +133,13 @@ FAMILY = register(
 )
 
 
-def nvfp4_cast(config) -> WeightCast:
-    """What the float8 step reads of an NVFP4 weight: a dynamic weight with a tensor-wide
-    amax (refreshed in the step's collective), never per row."""
+def nvfp4_cast(config: LayerConfig) -> WeightCast:
+    """What the hooks and the float8 step read of an NVFP4 weight: a tensor-wide amax
+    (refreshed in the step's collective), never per row; no float8 scaling strategy (the
+    shard is quantized by `nvfp4.quantize`); its tile factors are e4m3."""
     return WeightCast(
         config=config,
-        strategy=None,  # type: ignore[arg-type]  # the hooks below never ask for one
+        strategy=None,
         float8_dtype=nvfp4.E4M3,
         family=FAMILY,
         power_of_2=False,
@@ -147,16 +148,15 @@ def nvfp4_cast(config) -> WeightCast:
     )
 
 
-class NVFP4FSDPWeight(DynamicFloat8Weight):
-    """A high-precision weight whose FSDP2 all-gather sends NVFP4 (module docstring)."""
+class NVFP4FSDPWeight(RefreshedWeight):
+    """A high-precision weight whose FSDP2 all-gather sends NVFP4 (module docstring). Built
+    from an `NVFP4Config` by `wrap_weight` (its layer's `wrap_weight_for_fsdp`)."""
 
     STAMPS_INVERSE = False  # its stamp is an amax, not a scale
 
-    @staticmethod
-    def __new__(cls, tensor, config, state=None, *, cast=None):
-        return DynamicFloat8Weight.__new__(
-            cls, tensor, config, state, cast=cast if cast is not None else nvfp4_cast(config)
-        )
+    @classmethod
+    def cast_of(cls, config: LayerConfig) -> WeightCast:
+        return nvfp4_cast(config)
 
     @staticmethod
     def stamps_from_amaxes(amaxes, float8_dtype, power_of_2) -> torch.Tensor:
@@ -169,9 +169,6 @@ class NVFP4FSDPWeight(DynamicFloat8Weight):
         if stamped is not None:
             return stamped
         return reduce_amaxes([tensor_amax(self._tensor)], mesh).reshape(())
-
-    def float8_scale(self, mesh) -> torch.Tensor:
-        return self.global_amax(mesh)
 
     needs_row_shards = True  # 16x16 tiles
 

@@ -1,8 +1,10 @@
 """Weight tensor subclasses whose FSDP2 all-gather sends float8 (see `base`).
 
-`wrap_weight` is the one way a weight (a linear's, an expert projection's) becomes a wrapper:
-the type of the weight's scaling strategy picks the class (`wrapper_class`), and a delayed
-weight gets its layer's `DelayedScalingState` as its scale source.
+`wrap_weight` is the one way a weight (a linear's, an expert projection's, a 4-bit
+layer's) becomes a wrapper: for a `Float8LinearConfig` the type of the weight's scaling
+strategy picks the class (`wrapper_class`), and a delayed weight gets its layer's
+`DelayedScalingState` as its scale source; the config of a format with a layer of its own
+(the 4-bit one) names its wrapper class itself (`weight_wrapper`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fsdp_float8.core.scaling import (
 )
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.weight_wrappers.block import BlockFloat8Weight
+from fsdp_float8.weight_wrappers.cast import LayerConfig
 from fsdp_float8.weight_wrappers.delayed import DelayedFloat8Weight, ScaleSource
 from fsdp_float8.weight_wrappers.dynamic import DynamicFloat8Weight
 from fsdp_float8.weight_wrappers.static import StaticFloat8Weight
@@ -43,14 +46,30 @@ _WRAPPERS: dict[type, type[Float8WeightWrapper]] = {
 }
 
 
+def wrapper_class_of(config: LayerConfig) -> type[Float8WeightWrapper]:
+    """The wrapper of a weight built from `config`: by its weight strategy for a
+    `Float8LinearConfig`, else the class the config names (`weight_wrapper`)."""
+    if isinstance(config, Float8LinearConfig):
+        strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
+        assert strategy is not None  # the config refuses float8 all-gather of a hp weight
+        return wrapper_class(strategy)
+    own = getattr(type(config), "weight_wrapper", None)
+    if not (isinstance(own, type) and issubclass(own, Float8WeightWrapper)):
+        raise TypeError(
+            f"cannot wrap a weight for a {type(config).__name__}: expected a "
+            "Float8LinearConfig or a layer config that names its weight wrapper class "
+            "(a Float8WeightWrapper subclass) as the class attribute weight_wrapper"
+        )
+    return own
+
+
 def wrap_weight(weight: torch.Tensor, module: nn.Module, name: str = "weight") -> nn.Parameter:
     """The module's weight (a linear's, or one 3-D weight of float8 experts) as a Parameter
-    whose FSDP2 all-gather is float8, cast with the module's weight strategy. The old
-    Parameter is remembered as replaced (an optimizer that still holds it is refused)."""
-    config = cast(Float8LinearConfig, module.config)
-    strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
-    assert strategy is not None  # the config refuses float8 all-gather of a hp weight
-    wrapper = wrapper_class(strategy)(weight.data, config)
+    whose FSDP2 all-gather is quantized as the module's config says (`wrapper_class_of`).
+    The old Parameter is remembered as replaced (an optimizer that still holds it is
+    refused)."""
+    config = cast(LayerConfig, module.config)
+    wrapper = wrapper_class_of(config)(weight.data, config)
     wrapper.param_name = name
     if isinstance(wrapper, DelayedFloat8Weight):
         wrapper.scale_source = cast(ScaleSource, module.delayed_scaling)
@@ -85,4 +104,5 @@ __all__ = [
     "replaced_parameter",
     "wrap_weight",
     "wrapper_class",
+    "wrapper_class_of",
 ]
