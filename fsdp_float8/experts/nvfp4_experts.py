@@ -287,12 +287,17 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
         weight = getattr(self, name)
         if x.is_cuda:
             nvfp4.check_nvfp4_gemm_device(x.device, emulate=self.config.emulate)
-        if x.dtype != weight.dtype:
+        if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+            raise TypeError(f"{type(self).__name__} input has dtype {x.dtype}; expected a floating tensor")  # fmt: skip
+        if torch.is_autocast_enabled(x.device.type):  # as NVFP4Linear: the GEMMs' dtype
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        elif x.dtype != weight.dtype:
             raise TypeError(
                 f"{type(self).__name__} input has dtype {x.dtype} but {name} is "
-                f"{weight.dtype}; both must match (cast the input)"
+                f"{weight.dtype}; both must match (cast the input or use autocast)"
             )
-        return _NVFP4GroupedFn.apply(x, weight, offs, self, name)
+        with torch.autocast(x.device.type, enabled=False):
+            return _NVFP4GroupedFn.apply(x, weight, offs, self, name)
 
     def extra_repr(self) -> str:
         c = self.config

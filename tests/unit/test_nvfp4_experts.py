@@ -270,3 +270,15 @@ def test_fused_layout_equals_nvfp4_linears_per_expert() -> None:
     rows = rows * weights.reshape(-1)[order, None]
     expected = torch.zeros_like(hidden).index_add_(0, token_of, rows)
     assert torch.equal(out, expected)
+
+
+def test_autocast_runs_the_gemms_in_its_dtype_and_a_mismatch_is_refused() -> None:
+    _, module = _experts()
+    x = torch.randn(sum(COUNTS), DIM, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = module.grouped(x, "w1", _offs())
+    assert y.dtype == torch.bfloat16
+    y.float().pow(2).sum().backward()
+    assert x.grad.dtype == torch.float32 and module.w1.grad.dtype == torch.float32
+    with pytest.raises(TypeError, match=r"input has dtype torch.bfloat16 but w1 is torch.float32"):
+        module.grouped(x.detach().bfloat16(), "w1", _offs())
