@@ -42,14 +42,18 @@ bounds on the host (one device-to-host copy per grouped GEMM).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import refuse_double_backward
+from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.experts.modules import (
     _FUSED,
     _TITAN,
@@ -58,12 +62,35 @@ from fsdp_float8.experts.modules import (
     Float8GroupedExperts,
     _plain_weights_in_state_dict,
 )
-from fsdp_float8.nn.nvfp4_linear import NVFP4Config, _amax, _draws, _pad_tokens, _seed
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
 from fsdp_float8.weight_wrappers.nvfp4 import NVFP4Weight, nvfp4_cast
 from fsdp_float8.weight_wrappers.wrap import note_replaced
 
 TILE = nvfp4.WEIGHT_BLOCK
+
+
+# The seeds, draws and token padding of `nn/nvfp4_linear.py` (which this layer cannot import:
+# nn/ imports experts/), the same functions: each expert draws as an NVFP4Linear would
+# (tests/unit/test_nvfp4_experts.py holds the two equal, bit for bit)
+def _seed(*parts: object) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _draws(t: torch.Tensor, layer_seed: int, gemm: int) -> torch.Tensor:
+    """Uniform draws for stochastically rounding `t`: a hash of the layer, the GEMM and
+    t's bits (the sum of its float32 bit patterns), per element."""
+    bits = t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()
+    salt = (bits + layer_seed * 31 + gemm) & 0xFFFFFFFF
+    return nvfp4.hashed_uniform(t.shape, salt)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    return tensor_amax(t).reshape(())
+
+
+def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
+    """(rows, tokens) with zero tokens appended up to a multiple of 16, row-major."""
+    return F.pad(t.contiguous(), (0, -t.shape[1] % nvfp4.RHT_SIZE))
 
 
 # ------------------------------------------------------------------------ the FP4 gather
@@ -232,10 +259,10 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
     """What the NVFP4 experts modules share: the config, the FP4 all-gather wrapper, the
     per-expert seeds and the grouped GEMM (module docstring)."""
 
-    config: NVFP4Config  # type: ignore[assignment]
+    config: Any  # an NVFP4Config
 
     def _setup(self, source: nn.Module, config) -> None:
-        if not isinstance(config, NVFP4Config):
+        if getattr(config, "experts_classes", None) is not EXPERTS_CLASSES:
             raise TypeError(f"config must be an NVFP4Config, got {type(config).__name__}")
         check_expert_dims(source, self.weight_names)
         device = getattr(source, self.weight_names[0]).device
@@ -324,7 +351,9 @@ class NVFP4FusedExperts(NVFP4ExpertsMixin, Float8FusedExperts):
     weight_names = _FUSED
 
 
-# conversion reads the experts classes off the config (layout -> class), as it reads
-# `linear_class`; set here, where the classes live (the config's module cannot import them)
-EXPERTS_CLASSES = {"grouped": NVFP4GroupedExperts, "fused": NVFP4FusedExperts}
-setattr(NVFP4Config, "experts_classes", EXPERTS_CLASSES)  # noqa: B010  (undeclared there)
+# conversion reads the experts classes off the config (`NVFP4Config.experts_classes`,
+# layout -> class), as it reads `linear_class`
+EXPERTS_CLASSES: dict[str, type[NVFP4ExpertsMixin]] = {
+    "grouped": NVFP4GroupedExperts,
+    "fused": NVFP4FusedExperts,
+}

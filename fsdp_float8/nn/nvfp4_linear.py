@@ -51,6 +51,7 @@ from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import Gemm, refuse_double_backward
 from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.experts.nvfp4_experts import EXPERTS_CLASSES
 from fsdp_float8.formats.operands import GatheredOperands
 from fsdp_float8.nn.linear import _plain_weight_in_state_dict
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
@@ -84,6 +85,7 @@ class NVFP4Config:
     # what conversion reads of any layer config
     pad_inner_dim: ClassVar[bool] = False
     linear_class: ClassVar[type]  # set below: NVFP4Linear
+    experts_classes: ClassVar[dict[str, type]] = EXPERTS_CLASSES  # layout -> experts module
 
     def __post_init__(self) -> None:
         for name in (

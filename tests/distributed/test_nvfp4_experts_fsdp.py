@@ -12,6 +12,9 @@ block's experts sharded on their own, trained for 3 steps:
   codes, one e4m3 byte per 16x16 tile) plus 4 bytes per expert (its float32 tensor
   factor), counted per collective: the experts' all-gathers are the ones whose input is
   uint8; and no amax all-reduce (the factors are local to each shard);
+- the expert weights are quantized once per step on each rank (its shard, packed for
+  forward's all-gather and sent again by backward's re-gather); the GEMMs read the
+  gathered record as it is;
 - experts sharded as Shard(1) (a shard splits every expert) are refused on every rank at
   their first all-gather, naming the weight and Shard(0).
 """
@@ -19,6 +22,7 @@ block's experts sharded on their own, trained for 3 steps:
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from fsdp_float8 import NVFP4Config, convert_to_float8_training
+from fsdp_float8.core import nvfp4
 from fsdp_float8.tools.comm_stats import CollectiveCounter
 from tests.distributed.launcher import DistributedError, cpu_mesh, run_distributed
 from tests.models import MoEArgs, Transformer, model_args, moe_aux_loss
@@ -155,3 +160,34 @@ def test_shards_that_split_an_expert_are_refused_on_every_rank(tmp_path):
     with pytest.raises(DistributedError, match=r"sharded as Shard\(1\)") as err:
         run_distributed(_split_experts, 2, tmp_path, timeout_s=120)
     assert "Shard(0)" in str(err.value) and "NVFP4ExpertsFSDPWeight" in str(err.value)
+
+
+def _quantizations(rank: int, world: int) -> list[int]:
+    """Expert weight quantizations (`nvfp4.quantize_per_matrix` calls) per step."""
+    mesh = cpu_mesh(world)
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block.feed_forward.experts, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    real, count = nvfp4.quantize_per_matrix, [0]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    per_step = []
+    with mock.patch.object(nvfp4, "quantize_per_matrix", counting):
+        for step in range(STEPS):
+            count[0] = 0
+            _loss(model, _batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(count[0])
+    return per_step
+
+
+def test_each_expert_shard_is_quantized_once_per_step(tmp_path):
+    for out in run_distributed(_quantizations, 2, tmp_path, timeout_s=200):
+        assert out == [6] * STEPS, out  # 3 weights in each of 2 blocks
