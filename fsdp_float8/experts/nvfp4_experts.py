@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
@@ -302,6 +303,12 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
             return
         for name in self.weight_names:
             p = getattr(self, name)
+            if isinstance(p, DTensor):  # sharded by FSDP2 (a load's post hook): its local part
+                if not isinstance(p._local_tensor, Float8WeightWrapper):
+                    local = NVFP4ExpertsFSDPWeight(p._local_tensor, self.config)
+                    local.param_name = name
+                    p._local_tensor = local
+                continue
             if isinstance(p, Float8WeightWrapper):
                 continue
             if p.device.type != "meta":

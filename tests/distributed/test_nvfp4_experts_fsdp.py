@@ -12,6 +12,8 @@ block's experts sharded on their own, trained for 3 steps:
   codes, one e4m3 byte per 16x16 tile) plus 4 bytes per expert (its float32 tensor
   factor), counted per collective: the experts' all-gathers are the ones whose input is
   uint8; and no amax all-reduce (the factors are local to each shard);
+- a DCP checkpoint (plain high-precision weights) saved after 2 steps and loaded into a
+  fresh sharded model continues with the reference's loss;
 - the expert weights are quantized once per step on each rank (its shard, packed for
   forward's all-gather and sent again by backward's re-gather); the GEMMs read the
   gathered record as it is;
@@ -27,6 +29,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
@@ -70,19 +73,23 @@ def _expert_bytes_per_gather(model, shards: int) -> int:
     return int(total)
 
 
-def _train_fsdp(rank: int, mesh_shape: tuple[int, ...], **config) -> dict:
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = cpu_mesh(mesh_shape, names)
+def _sharded(mesh, **config):
     model = _model(**config)
-    elements = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    expected = _expert_bytes_per_gather(model, mesh_shape[-1])
     for block in model.blocks:
         fully_shard(block.feed_forward.experts, mesh=mesh)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_fsdp(rank: int, mesh_shape: tuple[int, ...], steps=range(STEPS), model_opt=None, **config) -> dict:  # fmt: skip
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = cpu_mesh(mesh_shape, names)
+    model, opt = model_opt or _sharded(mesh, **config)
+    elements = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    expected = _expert_bytes_per_gather(_model(**config), mesh_shape[-1])
     losses, uint8_bytes, amax_reduces = [], [], []
-    for step in range(STEPS):
+    for step in steps:
         with CollectiveCounter() as counter:
             loss = _loss(model, _batch(step, rank))
             loss.backward()
@@ -119,9 +126,28 @@ def _train_reference(rank: int, world: int, **config) -> list[float]:
     return losses
 
 
-def _grid(rank: int, world: int) -> dict:
+def _resumed(rank: int, world: int, ckpt: str) -> list[float]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = cpu_mesh(world)
+    model, opt = _sharded(mesh)
+    _train_fsdp(rank, (world,), range(2), (model, opt))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    fresh, fresh_opt = _sharded(mesh)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return _train_fsdp(rank, (world,), range(2, STEPS), (fresh, fresh_opt))["losses"]
+
+
+def _grid(rank: int, world: int, ckpt: str) -> dict:
     fos = {"four_over_six": True}
     return {
+        "resumed": _resumed(rank, world, ckpt),
         "fsdp": _train_fsdp(rank, (world,)),
         "reference": _train_reference(rank, world),
         "hsdp_shard_1": _train_fsdp(rank, (world, 1))["losses"],
@@ -131,9 +157,10 @@ def _grid(rank: int, world: int) -> dict:
 
 
 def test_nvfp4_experts_gather_fp4_and_train_as_the_reference(tmp_path):
-    for out in run_distributed(_grid, 2, tmp_path, timeout_s=400):
+    for out in run_distributed(_grid, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=400):
         fsdp = out["fsdp"]
         assert fsdp["losses"] == out["reference"], out
+        assert out["resumed"] == out["reference"][2:], out
         assert out["hsdp_shard_1"] == out["reference"], out
         assert out["fsdp_4over6"] == out["reference_4over6"], out
         assert out["fsdp_4over6"] != out["reference"], out  # four-over-six did act
