@@ -27,6 +27,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core._compat import probe_device
 from fsdp_float8.core.config import Float8LinearConfig
@@ -163,7 +164,10 @@ class Float8ExpertsBase(nn.Module):
             return
         for name in self.weight_names:
             p = getattr(self, name)
-            if not isinstance(p, Float8WeightWrapper):
+            if isinstance(p, DTensor):  # sharded by FSDP2 (a load's post hook): its local part
+                if not isinstance(p._local_tensor, Float8WeightWrapper):
+                    p._local_tensor = wrap_weight(p._local_tensor, self, name).data
+            elif not isinstance(p, Float8WeightWrapper):
                 setattr(self, name, wrap_weight(p, self, name))
 
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
