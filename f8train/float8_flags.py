@@ -184,34 +184,12 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
             parse_static_scales(args.static_scales)
         except ValueError as err:
             problems.append(str(err))
-    if args.recipe in NVFP4_RECIPES:
-        problems += _nvfp4_expert_problems(args)
     if not args.precompute and args.scaling != "dynamic":
         problems.append(
             f"--no-precompute applies to --scaling dynamic only (this run: --scaling "
             f"{args.scaling}, whose sync needs the refresh hook); drop it"
         )
     return problems + _skip_problems(args)
-
-
-def _nvfp4_expert_problems(args: argparse.Namespace) -> list[str]:
-    """NVFP4 has no grouped GEMM: experts modules the run would convert cannot run."""
-    if build_args(args).moe is None:
-        return []
-    accept = expert_filter(args.float8_skip)
-    experts = [
-        fqn
-        for fqn, module in meta_model(args).named_modules()
-        if isinstance(module, GroupedExperts) and accept(module, fqn)
-    ]
-    if not experts:
-        return []
-    named = ", ".join(experts[:2]) + (", ..." if len(experts) > 2 else "")
-    return [
-        f"--recipe {args.recipe} cannot convert the experts of --preset {args.preset} ({named}: no "
-        "NVFP4 grouped GEMM); keep them in high precision with --float8-skip "
-        "'*.feed_forward.experts', or use a float8 --recipe (e.g. rowwise)"
-    ]
 
 
 def meta_model(args: argparse.Namespace) -> Transformer:

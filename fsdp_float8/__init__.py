@@ -36,6 +36,7 @@ from fsdp_float8.core.numerics import sqnr_db
 from fsdp_float8.core.recipes import _auto_filter_for_recipe
 from fsdp_float8.experts.gemm import ExpertCastPlan, float8_grouped_mm
 from fsdp_float8.experts.modules import Float8FusedExperts, Float8GroupedExperts
+from fsdp_float8.experts.nvfp4_experts import NVFP4FusedExperts, NVFP4GroupedExperts
 from fsdp_float8.fsdp.step import (
     Float8Step,
     StepPlan,
@@ -153,6 +154,8 @@ __all__ = [
     "Float8LinearConfig",
     "NVFP4Config",
     "NVFP4Linear",
+    "NVFP4FusedExperts",
+    "NVFP4GroupedExperts",
     "high_precision_ends",
     "Float8LinearRecipeName",
     "Float8RowwiseParallel",

@@ -102,7 +102,7 @@ from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
     random_hadamard,
     rht,
 )
-from fsdp_float8.core.scaling import block_amax
+from fsdp_float8.core.scaling import block_amax, tensor_amax
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -316,6 +316,38 @@ def quantize(
     else:
         parts = _quantize_parts(x.detach(), amax.detach(), *block, generator, four_over_six)
     return NVFP4(*parts, block)
+
+
+def quantize_per_matrix(x: torch.Tensor, *, four_over_six: bool = False) -> NVFP4:
+    """x (E, R, C), a stack of E matrices (an experts weight), each quantized on its own in
+    16x16 tiles with its own amax: `quantize(x[e], amax(x[e]), WEIGHT_BLOCK)` for each e,
+    stacked. The record's `tensor_inv_scale` is (E,), one factor per matrix (`matrix`
+    takes one out as a 2-D record). A shard of whole matrices quantizes as the whole does."""
+    if x.dim() != 3:
+        raise ValueError(
+            f"quantize_per_matrix takes a stack of matrices (E, R, C), got shape "
+            f"{tuple(x.shape)}; quantize a 2-D weight with quantize(w, amax, WEIGHT_BLOCK)"
+        )
+    rows, cols = x.shape[1:]
+    parts = [
+        quantize(m, tensor_amax(m).reshape(()), WEIGHT_BLOCK, four_over_six=four_over_six)
+        for m in x.unbind(0)
+    ]
+    if not parts:  # no matrix: empty fields of the stacked shapes
+        tiles = x.new_empty((0, *scale_shape((rows, cols), WEIGHT_BLOCK)), dtype=E4M3)
+        packed = x.new_empty((0, rows, cols // 2), dtype=torch.uint8)
+        return NVFP4(packed, tiles, x.new_empty((0,), dtype=torch.float32), WEIGHT_BLOCK)
+    return NVFP4(
+        torch.stack([q.packed for q in parts]),
+        torch.stack([q.block_inv_scale for q in parts]),
+        torch.stack([q.tensor_inv_scale.reshape(()) for q in parts]),
+        WEIGHT_BLOCK,
+    )
+
+
+def matrix(q: NVFP4, e: int) -> NVFP4:
+    """Matrix `e` of a `quantize_per_matrix` record, as a 2-D record (views, no copy)."""
+    return NVFP4(q.packed[e], q.block_inv_scale[e], q.tensor_inv_scale[e], q.block)
 
 
 def _encode(

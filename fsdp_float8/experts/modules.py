@@ -27,6 +27,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core._compat import probe_device
 from fsdp_float8.core.config import Float8LinearConfig
@@ -72,10 +73,11 @@ def skip_reason(module: nn.Module, config: Float8LinearConfig) -> str | None:
         off = {k: getattr(module, k) for k, v in flags.items() if getattr(module, k, v) != v}
         if off or not hasattr(module, "act_fn"):
             return f"transformers experts with {off or 'no act_fn'}: only the concatenated [gate; up] layout (E, out, in) without biases is supported"
-    try:
-        check_expert_config(config)
-    except ValueError as e:
-        return str(e)
+    if isinstance(config, Float8LinearConfig):
+        try:
+            check_expert_config(config)
+        except ValueError as e:
+            return str(e)
     dims = _weight_dims(module, layout)
     if not config.pad_inner_dim and any(d % 16 for d in dims):
         hint = (
@@ -117,9 +119,20 @@ def _weight_dims(module: nn.Module, layout: str) -> tuple[int, ...]:
     return tuple(sorted({d for n in names for d in getattr(module, n).shape[1:]}))
 
 
+def converts_experts(config: object) -> bool:
+    """Whether `config` converts experts modules: a Float8LinearConfig, or a format's layer
+    config naming its experts classes (`experts_classes`: layout -> class)."""
+    return isinstance(config, Float8LinearConfig) or hasattr(config, "experts_classes")
+
+
 def to_float8_experts(module: nn.Module, config: Float8LinearConfig) -> Float8ExpertsBase:
-    """The float8 module for an experts module `skip_reason` accepted (parameters shared)."""
-    cls = Float8GroupedExperts if expert_layout(module) == "grouped" else Float8FusedExperts
+    """The float8 module for an experts module `skip_reason` accepted (parameters shared):
+    a format's own experts class where its config names one for the layout."""
+    layout = expert_layout(module)
+    classes = getattr(config, "experts_classes", None)
+    if classes is not None:
+        return classes[layout].from_experts(module, config)
+    cls = Float8GroupedExperts if layout == "grouped" else Float8FusedExperts
     return cls.from_experts(module, config)
 
 
@@ -151,7 +164,10 @@ class Float8ExpertsBase(nn.Module):
             return
         for name in self.weight_names:
             p = getattr(self, name)
-            if not isinstance(p, Float8WeightWrapper):
+            if isinstance(p, DTensor):  # sharded by FSDP2 (a load's post hook): its local part
+                if not isinstance(p._local_tensor, Float8WeightWrapper):
+                    p._local_tensor = wrap_weight(p._local_tensor, self, name).data
+            elif not isinstance(p, Float8WeightWrapper):
                 setattr(self, name, wrap_weight(p, self, name))
 
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:

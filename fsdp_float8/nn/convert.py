@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -103,7 +104,11 @@ def convert_to_float8_training(
     """
     config = _layer_config(config)
     if expert_config is not None:
-        expert_config = as_float8_linear_config(expert_config, "expert_config")
+        expert_config = (
+            expert_config
+            if expert_modules.converts_experts(expert_config)
+            else as_float8_linear_config(expert_config, "expert_config")
+        )
     _refuse_high_precision_config(config)
     report = ConversionReport()
     plan: list[_Swap] = []
@@ -133,6 +138,8 @@ def convert_to_float8_training(
     for swap in expert_plan:
         assert swap.config is not None  # _plan_experts sets it
         experts = expert_modules.to_float8_experts(swap.linear, swap.config)
+        if hasattr(experts, "fqn"):  # experts whose random draws are seeded by their name
+            cast(Any, experts).fqn = swap.fqn
         _name_replaced(swap, experts, experts.weight_names)
         swap.put(experts)
         report.experts_converted.append(swap.fqn)
@@ -231,7 +238,7 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) ->
         if not (expert_modules.expert_layout(child) or expert_modules.has_3d_parameters(child)):
             _plan_experts(child, fqn, config, filter_fn, report, plan, seen)
             continue
-        if not isinstance(config, Float8LinearConfig) and (
+        if not expert_modules.converts_experts(config) and (
             filter_fn is None or filter_fn(child, fqn)
         ):
             raise Float8ConfigError(
@@ -243,7 +250,7 @@ def _plan_experts(parent, prefix, config, filter_fn, report, plan, seen=None) ->
             )
         why = (
             expert_modules.skip_reason(child, config)
-            if isinstance(config, Float8LinearConfig)
+            if expert_modules.converts_experts(config)
             else "rejected by expert_filter_fn"
         )
         if why is None and filter_fn is not None and not filter_fn(child, fqn):

@@ -52,6 +52,7 @@ from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import PRIMARY_GEMM, Gemm, Operand, refuse_double_backward
 from fsdp_float8.core.scaling import tensor_amax
+from fsdp_float8.experts.nvfp4_experts import EXPERTS_CLASSES
 from fsdp_float8.formats.operands import GatheredOperands
 from fsdp_float8.nn.layer import QuantizedLinear
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
@@ -85,6 +86,7 @@ class NVFP4Config:
     pad_inner_dim: ClassVar[bool] = False
     linear_class: ClassVar[type]  # set below: NVFP4Linear
     weight_wrapper: ClassVar[type]  # set below: NVFP4FSDPWeight (what `wrap_weight` builds)
+    experts_classes: ClassVar[dict[str, type]] = EXPERTS_CLASSES  # layout -> experts module
 
     def __post_init__(self) -> None:
         for name in (

@@ -9,7 +9,9 @@ float8 (the linears stay fp32, so the expert bytes stand out), trained for 6 ste
   (the row scales and their inverses ride in the same payload), 4 per element for the fp32
   rest; no amax all-reduce for rowwise experts;
 - shard size 1 (HSDP (2, 1): FSDP2 skips the all-gather), uneven experts (3 on 2 ranks) with
-  tensorwise, and the refusal of uneven rowwise on every rank (no hang).
+  tensorwise, and the refusal of uneven rowwise on every rank (no hang);
+- a DCP checkpoint saved after 2 steps and loaded into a fresh sharded model (the experts'
+  weights stay float8-gathered) continues with the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
@@ -154,3 +157,50 @@ def _uneven_rowwise(rank: int, world_size: int):
 def test_uneven_rowwise_experts_are_refused_on_every_rank(tmp_path):
     with pytest.raises(DistributedError, match="rowwise float8 all-gather of a weight with 3 rows"):
         run_distributed(_uneven_rowwise, 2, tmp_path, timeout_s=120)
+
+
+def _sharded(case: MoECase, mesh):
+    model = _model(case)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _steps(model, opt, rank: int, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = _loss(model, _batch(step, rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _resumed(rank: int, world_size: int, ckpt: str):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    case, mesh = MoECase(steps=4), cpu_mesh(world_size)
+    model, opt = _sharded(case, mesh)
+    first = _steps(model, opt, rank, range(2))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    uninterrupted = first + _steps(model, opt, rank, range(2, 4))
+    fresh, fresh_opt = _sharded(case, mesh)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    wrapped = type(fresh.blocks[0].feed_forward.experts.w1.to_local()).__name__
+    return uninterrupted[2:], _steps(fresh, fresh_opt, rank, range(2, 4)), wrapped
+
+
+def test_dcp_checkpoint_of_float8_experts_loads_into_a_sharded_model(tmp_path):
+    for uninterrupted, resumed, wrapped in run_distributed(
+        _resumed, 2, tmp_path, str(tmp_path / "ckpt"), timeout_s=300
+    ):
+        assert resumed == uninterrupted, (resumed, uninterrupted)
+        assert wrapped == "DynamicFloat8Weight", wrapped

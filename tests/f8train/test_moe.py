@@ -1,12 +1,17 @@
 """The trainer's mixture-of-experts block (`f8train.moe`): routed slots per expert and the
-load-balancing loss, which reaches the router."""
+load-balancing loss, which reaches the router; `--recipe nvfp4 --preset moe_tiny` on 2
+ranks converts the experts to NVFP4 experts and trains (finite losses)."""
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 import torch
 
 from f8train.model import Transformer, model_args
 from f8train.moe import MoEArgs, moe_aux_loss, tokens_per_expert
+from tests.f8train.launch import metrics, output_of, train
 
 
 def _moe_model(**moe):
@@ -27,3 +32,13 @@ def test_moe_aux_loss_and_tokens_per_expert():
     assert aux.item() >= 0.01 * 0.99
     aux.backward()
     assert model.blocks[0].feed_forward.router.grad.abs().sum() > 0
+
+
+def test_nvfp4_recipe_trains_the_moe_preset_with_nvfp4_experts(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ("--preset", "moe_tiny", "--recipe", "nvfp4", "--steps", "3", "--val-every", "0")
+    result = train(out, *args, "--ckpt-every", "0")
+    assert result.returncode == 0, output_of(result)
+    assert "converted 2 expert modules" in result.stdout, result.stdout
+    losses = [m["loss"] for m in metrics(out) if "loss" in m]
+    assert len(losses) >= 2 and all(math.isfinite(v) for v in losses), losses

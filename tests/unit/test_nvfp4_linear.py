@@ -236,11 +236,14 @@ class _Experts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(4, 64, 32))
 
 
-def test_experts_are_refused_unless_kept_out() -> None:
+def test_experts_are_converted_unless_kept_out() -> None:
     model = nn.Module()
     model.experts = _Experts()
-    with pytest.raises(Float8ConfigError, match="experts module, which a NVFP4Config"):
-        convert_to_float8_training(model, config=NVFP4Config())
+    convert_to_float8_training(model, config=NVFP4Config())
+    assert model.float8_conversion_report.experts_converted == ["experts"]
+    assert type(model.experts).__name__ == "NVFP4GroupedExperts"
+    model = nn.Module()
+    model.experts = _Experts()
     convert_to_float8_training(model, config=NVFP4Config(), expert_filter_fn=lambda m, n: False)
     assert model.float8_conversion_report.experts_skipped == {
         "experts": "rejected by expert_filter_fn"
