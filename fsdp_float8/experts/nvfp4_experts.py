@@ -49,7 +49,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
@@ -64,8 +63,8 @@ from fsdp_float8.experts.modules import (
     _plain_weights_in_state_dict,
 )
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
+from fsdp_float8.weight_wrappers.cast import WeightCast
 from fsdp_float8.weight_wrappers.nvfp4 import NVFP4Weight, nvfp4_cast
-from fsdp_float8.weight_wrappers.wrap import note_replaced
 
 TILE = nvfp4.WEIGHT_BLOCK
 
@@ -101,11 +100,9 @@ class NVFP4ExpertsFSDPWeight(Float8WeightWrapper):
     """A high-precision (E, out, in) experts weight whose FSDP2 all-gather sends NVFP4, each
     expert with its own tensor factor (module docstring)."""
 
-    @staticmethod
-    def __new__(cls, tensor, config, state=None, *, cast=None):
-        return Float8WeightWrapper.__new__(
-            cls, tensor, config, state, cast=cast if cast is not None else nvfp4_cast(config)
-        )
+    @classmethod
+    def cast_of(cls, config) -> WeightCast:
+        return nvfp4_cast(config)
 
     @property
     def needs_global_amax(self) -> bool:
@@ -261,6 +258,8 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
     per-expert seeds and the grouped GEMM (module docstring)."""
 
     config: Any  # an NVFP4Config
+    # what `wrap_weight` builds of each 3-D weight (`weight_wrappers.wrap.wrapper_class_of`)
+    weight_wrapper = NVFP4ExpertsFSDPWeight
 
     def _setup(self, source: nn.Module, config) -> None:
         if getattr(config, "experts_classes", None) is not EXPERTS_CLASSES:
@@ -295,27 +294,6 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
             gen = torch.Generator().manual_seed(_seed(self.config.seed, layer, "hadamard"))
             self._seeds[key] = (_seed(self.config.seed, layer), nvfp4.random_hadamard(gen))
         return self._seeds[key]
-
-    def wrap_weights_for_fsdp(self) -> None:
-        """With `enable_fsdp_float8_all_gather`, each 3-D weight becomes an
-        `NVFP4ExpertsFSDPWeight` (idempotent; the storage is shared)."""
-        if not self.config.enable_fsdp_float8_all_gather:
-            return
-        for name in self.weight_names:
-            p = getattr(self, name)
-            if isinstance(p, DTensor):  # sharded by FSDP2 (a load's post hook): its local part
-                if not isinstance(p._local_tensor, Float8WeightWrapper):
-                    local = NVFP4ExpertsFSDPWeight(p._local_tensor, self.config)
-                    local.param_name = name
-                    p._local_tensor = local
-                continue
-            if isinstance(p, Float8WeightWrapper):
-                continue
-            if p.device.type != "meta":
-                note_replaced(p, f"{name} {tuple(p.shape)} of {type(self).__name__}")
-            wrapped = NVFP4ExpertsFSDPWeight(p.data, self.config)
-            wrapped.param_name = name
-            setattr(self, name, nn.Parameter(wrapped, requires_grad=p.requires_grad))
 
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         weight = getattr(self, name)

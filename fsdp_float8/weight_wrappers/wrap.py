@@ -4,7 +4,8 @@
 layer's) becomes a wrapper: for a `Float8LinearConfig` the type of the weight's scaling
 strategy picks the class (`wrapper_class`), and a delayed weight gets its layer's
 `DelayedScalingState` as its scale source; the config of a format with a layer of its own
-(the 4-bit one) names its wrapper class itself (`weight_wrapper`).
+(the 4-bit one) names its wrapper class itself (`weight_wrapper`), and so does a module
+whose weights need another wrapper than its config's layer (the 4-bit experts).
 """
 
 from __future__ import annotations
@@ -46,9 +47,15 @@ _WRAPPERS: dict[type, type[Float8WeightWrapper]] = {
 }
 
 
-def wrapper_class_of(config: LayerConfig) -> type[Float8WeightWrapper]:
-    """The wrapper of a weight built from `config`: by its weight strategy for a
-    `Float8LinearConfig`, else the class the config names (`weight_wrapper`)."""
+def wrapper_class_of(
+    config: LayerConfig, module: nn.Module | None = None
+) -> type[Float8WeightWrapper]:
+    """The wrapper of a weight built from `config`: the class the module names for its
+    weights (`weight_wrapper`: a 4-bit experts module's 3-D weights), else by the weight
+    strategy of a `Float8LinearConfig`, else the class the config names (`weight_wrapper`)."""
+    named = getattr(type(module), "weight_wrapper", None) if module is not None else None
+    if isinstance(named, type) and issubclass(named, Float8WeightWrapper):
+        return named
     if isinstance(config, Float8LinearConfig):
         strategy = config.strategy(Operand.WEIGHT, Gemm.OUTPUT)
         assert strategy is not None  # the config refuses float8 all-gather of a hp weight
@@ -69,7 +76,7 @@ def wrap_weight(weight: torch.Tensor, module: nn.Module, name: str = "weight") -
     The old Parameter is remembered as replaced (an optimizer that still holds it is
     refused)."""
     config = cast(LayerConfig, module.config)
-    wrapper = wrapper_class_of(config)(weight.data, config)
+    wrapper = wrapper_class_of(config, module)(weight.data, config)
     wrapper.param_name = name
     if isinstance(wrapper, DelayedFloat8Weight):
         wrapper.scale_source = cast(ScaleSource, module.delayed_scaling)
