@@ -12,8 +12,10 @@ it leaves the product unchanged while spreading outliers before a blockwise cast
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
+import torch.nn.functional as F
 
 RHT_SIZE = 16
 
@@ -67,3 +69,25 @@ def rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
 def inverse_rht(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """The inverse of `rht`: times the transpose (the matrix is orthogonal)."""
     return rht(x, matrix.t())
+
+
+def layer_seed(*parts: object) -> int:
+    """A stable 32-bit seed of `parts` (a config seed, a layer's name, a purpose): the same
+    in every process and run (crc32 of their repr, not Python's salted hash)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def rounding_draws(t: torch.Tensor, seed: int, gemm: int) -> torch.Tensor:
+    """Uniform draws for stochastically rounding `t`: a hash of the layer (`seed`), the GEMM
+    and t's bits (the sum of its float32 bit patterns), per element."""
+    bits = t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()
+    salt = (bits + seed * 31 + gemm) & _MASK32
+    return hashed_uniform(t.shape, salt)
+
+
+def pad_tokens(t: torch.Tensor) -> torch.Tensor:
+    """(rows, tokens) with zero tokens appended up to a multiple of the Hadamard size (they
+    add nothing), row-major. The input is made row-major first: a pad of 0 keeps a
+    transposed input's strides at run time, where a dynamic-shape trace takes the padded
+    result as row-major."""
+    return F.pad(t.contiguous(), (0, -t.shape[1] % RHT_SIZE))

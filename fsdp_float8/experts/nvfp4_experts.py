@@ -42,17 +42,16 @@ bounds on the host (one device-to-host copy per grouped GEMM).
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import refuse_double_backward
+from fsdp_float8.core.randomized import layer_seed, pad_tokens, rounding_draws
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.experts.modules import (
     _FUSED,
@@ -69,28 +68,8 @@ from fsdp_float8.weight_wrappers.nvfp4 import NVFP4Weight, nvfp4_cast
 TILE = nvfp4.WEIGHT_BLOCK
 
 
-# The seeds, draws and token padding of `nn/nvfp4_linear.py` (which this layer cannot import:
-# nn/ imports experts/), the same functions: each expert draws as an NVFP4Linear would
-# (tests/unit/test_nvfp4_experts.py holds the two equal, bit for bit)
-def _seed(*parts: object) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def _draws(t: torch.Tensor, layer_seed: int, gemm: int) -> torch.Tensor:
-    """Uniform draws for stochastically rounding `t`: a hash of the layer, the GEMM and
-    t's bits (the sum of its float32 bit patterns), per element."""
-    bits = t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()
-    salt = (bits + layer_seed * 31 + gemm) & 0xFFFFFFFF
-    return nvfp4.hashed_uniform(t.shape, salt)
-
-
 def _amax(t: torch.Tensor) -> torch.Tensor:
     return tensor_amax(t).reshape(())
-
-
-def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
-    """(rows, tokens) with zero tokens appended up to a multiple of 16, row-major."""
-    return F.pad(t.contiguous(), (0, -t.shape[1] % nvfp4.RHT_SIZE))
 
 
 # ------------------------------------------------------------------------ the FP4 gather
@@ -221,15 +200,15 @@ class _NVFP4GroupedFn(torch.autograd.Function):
                 continue  # no tokens: no grad_input rows, a zero grad_weight
             seed, hadamard = module.expert_seed(ctx.name, e)
             go, xe = grad_out[s:t], x[s:t]
-            gen = _draws(go, seed, 0) if sr else None
+            gen = rounding_draws(go, seed, 0) if sr else None
             qgo = nvfp4.quantize(go, _amax(go), act, generator=gen, four_over_six=fos)
             qwt = nvfp4.transposed(nvfp4.matrix(q, e))
             grad_x[s:t] = nvfp4.nvfp4_mm(qgo, qwt, x.dtype, emulate=emulate)
-            go_t, x_t = _pad_tokens(go.t()), _pad_tokens(xe.t())
+            go_t, x_t = pad_tokens(go.t()), pad_tokens(xe.t())
             if cfg.hadamard_grad_weight:
                 matrix = hadamard.to(go.device)
                 go_t, x_t = nvfp4.rht(go_t.float(), matrix), nvfp4.rht(x_t.float(), matrix)
-            gen = _draws(go_t, seed, 1) if sr else None
+            gen = rounding_draws(go_t, seed, 1) if sr else None
             qgo_t = nvfp4.quantize(go_t, _amax(go_t), act, generator=gen, four_over_six=fos)
             qx_t = nvfp4.quantize(x_t, _amax(x_t), act, four_over_six=fos)
             grad_w[e] = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=emulate)
@@ -291,8 +270,8 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
         key = (name, e)
         if key not in self._seeds:
             layer = f"{self._fqn}.{name}.{e}" if self._fqn else f"{name}.{e}"
-            gen = torch.Generator().manual_seed(_seed(self.config.seed, layer, "hadamard"))
-            self._seeds[key] = (_seed(self.config.seed, layer), nvfp4.random_hadamard(gen))
+            gen = torch.Generator().manual_seed(layer_seed(self.config.seed, layer, "hadamard"))
+            self._seeds[key] = (layer_seed(self.config.seed, layer), nvfp4.random_hadamard(gen))
         return self._seeds[key]
 
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:

@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import re
 import weakref
-import zlib
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -51,6 +49,7 @@ from fsdp_float8.core import nvfp4
 from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import PRIMARY_GEMM, Gemm, Operand, refuse_double_backward
+from fsdp_float8.core.randomized import layer_seed, pad_tokens, rounding_draws
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.experts.nvfp4_experts import EXPERTS_CLASSES
 from fsdp_float8.formats.operands import GatheredOperands
@@ -110,18 +109,6 @@ class NVFP4Config:
 
     def any_float8(self) -> bool:
         return True
-
-
-def _seed(*parts: object) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def _draws(t: torch.Tensor, layer_seed: int, gemm: int) -> torch.Tensor:
-    """Uniform draws for stochastically rounding `t`: a hash of the layer, the GEMM and
-    t's bits (the sum of its float32 bit patterns), per element."""
-    bits = t.detach().float().contiguous().view(torch.int32).to(torch.int64).sum()
-    salt = (bits + layer_seed * 31 + gemm) & 0xFFFFFFFF
-    return nvfp4.hashed_uniform(t.shape, salt)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -230,13 +217,6 @@ def cast_stats(hp: torch.Tensor, q: nvfp4.NVFP4, rows: slice | None = None) -> t
     return torch.stack([amax, scale.min(), scale.max(), saturated, underflow, sqnr])
 
 
-def _pad_tokens(t: torch.Tensor) -> torch.Tensor:
-    """(rows, tokens) with zero tokens appended up to a multiple of 16 (they add nothing),
-    row-major. The input is made row-major first: a pad of 0 keeps a transposed input's
-    strides at run time, where a dynamic-shape trace takes the padded result as row-major."""
-    return F.pad(t.contiguous(), (0, -t.shape[1] % nvfp4.RHT_SIZE))
-
-
 class _NVFP4LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer: NVFP4Linear):
@@ -267,7 +247,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         cfg = layer.config
         sr, fos = cfg.stochastic_rounding, cfg.four_over_six
         act = nvfp4.ACTIVATION_BLOCK
-        gen = _draws(grad_out, layer.layer_seed, 0) if sr else None
+        gen = rounding_draws(grad_out, layer.layer_seed, 0) if sr else None
         qgo = nvfp4.quantize(grad_out, _amax(grad_out), act, generator=gen, four_over_six=fos)
         w = ctx.quantized or _quantized_weight(weight, fos)
         if ctx.quantized is not None:
@@ -278,11 +258,11 @@ class _NVFP4LinearFn(torch.autograd.Function):
             grad_x = nvfp4.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
         else:
             grad_x = nvfp4.prepared_mm(qgo, operand, x2.dtype)
-        go_t, x_t = _pad_tokens(grad_out.t()), _pad_tokens(x2.t())
+        go_t, x_t = pad_tokens(grad_out.t()), pad_tokens(x2.t())
         if cfg.hadamard_grad_weight:
             matrix = layer.hadamard(grad_out.device)
             go_t, x_t = nvfp4.rht(go_t.float(), matrix), nvfp4.rht(x_t.float(), matrix)
-        gen = _draws(go_t, layer.layer_seed, 1) if sr else None
+        gen = rounding_draws(go_t, layer.layer_seed, 1) if sr else None
         qgo_t = nvfp4.quantize(go_t, _amax(go_t), act, generator=gen, four_over_six=fos)
         qx_t = nvfp4.quantize(x_t, _amax(x_t), act, four_over_six=fos)
         grad_w = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
@@ -333,8 +313,8 @@ class NVFP4Linear(QuantizedLinear):
         self._reseed()
 
     def _reseed(self) -> None:
-        self.layer_seed = _seed(self.config.seed, self._fqn)
-        gen = torch.Generator().manual_seed(_seed(self.config.seed, self._fqn, "hadamard"))
+        self.layer_seed = layer_seed(self.config.seed, self._fqn)
+        gen = torch.Generator().manual_seed(layer_seed(self.config.seed, self._fqn, "hadamard"))
         self._hadamard = nvfp4.random_hadamard(gen)
 
     # A property, not a `__setattr__` override: FSDP2 swaps the sharded and unsharded
@@ -394,7 +374,7 @@ class NVFP4Linear(QuantizedLinear):
             )
         draws = None
         if operand is Operand.GRAD_OUTPUT and self.config.stochastic_rounding:
-            draws = _draws(hp, self.layer_seed, 0)
+            draws = rounding_draws(hp, self.layer_seed, 0)
         q = nvfp4.quantize(
             hp, _amax(hp), nvfp4.ACTIVATION_BLOCK, generator=draws, four_over_six=fos
         )

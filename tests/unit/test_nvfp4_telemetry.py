@@ -16,7 +16,8 @@ from torch import nn
 from fsdp_float8 import convert_to_float8_training
 from fsdp_float8.core import nvfp4
 from fsdp_float8.core.numerics import sqnr_db
-from fsdp_float8.nn.nvfp4_linear import NVFP4Config, NVFP4Linear, _draws, cast_stats
+from fsdp_float8.core.randomized import rounding_draws
+from fsdp_float8.nn.nvfp4_linear import NVFP4Config, NVFP4Linear, cast_stats
 from fsdp_float8.tools.telemetry import RECORD_FIELDS, Float8NumericsWarning, Float8Telemetry
 from fsdp_float8.weight_wrappers.nvfp4 import NVFP4Weight
 from tests.distributed.launcher import cpu_mesh, run_distributed
@@ -94,7 +95,7 @@ def test_records_are_the_layers_casts(stochastic_rounding):
             hp = seen[(r["layer"], r["operand"])]
             draws = None
             if r["operand"] == "grad_output" and stochastic_rounding:
-                draws = _draws(hp, layer.layer_seed, 0)  # the layer's own draws
+                draws = rounding_draws(hp, layer.layer_seed, 0)  # the layer's own draws
             q = nvfp4.quantize(hp, hp.abs().max(), nvfp4.ACTIVATION_BLOCK, generator=draws)
         _check(r, _expected(hp, q))
         # 4-bit codes over 1x16 or 16x16 blocks of gaussian-like values: 15 to 25 dB
