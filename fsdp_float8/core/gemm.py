@@ -192,7 +192,9 @@ def scaled_mm_data(
             emulate=emulate, use_fast_accum=use_fast_accum, scale_dtype=scale_dtype,
         )  # fmt: skip
     n = b_data.shape[1]
-    inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n, inv_scales)
+    inv_a, inv_b = inv_scales
+    if inv_a is None or inv_b is None or inv_a.dim() or inv_b.dim():  # else both 0-d, known
+        inv_a, inv_b = _gemm_scales(a_scale, b_scale, a_data.shape[0], n, inv_scales)
     cuda = not emulate and a_data.is_cuda
     # `row_and_column_major`, inline (one call fewer per GEMM); on CUDA a column-major b
     # with a wider leading dimension is taken as it is (`_strided_columns`)
