@@ -338,3 +338,26 @@ def _start_orphan_watchdog(parent_pid: int) -> None:
             time.sleep(1.0)
 
     threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
+
+
+def replicated_losses(
+    model: torch.nn.Module, loss_at: Callable[[torch.nn.Module, int], torch.Tensor], steps: int
+) -> list[float]:
+    """The single-process reference of a data-parallel run, on each rank of an initialized
+    process group: `steps` AdamW steps (lr 1e-2) of `model` on this rank's loss
+    (`loss_at(model, step)`), each gradient averaged over the ranks by hand."""
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    world = dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        loss = loss_at(model, step)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

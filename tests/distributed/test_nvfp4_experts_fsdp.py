@@ -28,7 +28,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
@@ -36,7 +35,12 @@ from torch.distributed.tensor import Shard
 from fsdp_float8 import NVFP4Config, convert_to_float8_training
 from fsdp_float8.core import nvfp4
 from fsdp_float8.tools.comm_stats import CollectiveCounter
-from tests.distributed.launcher import DistributedError, cpu_mesh, run_distributed
+from tests.distributed.launcher import (
+    DistributedError,
+    cpu_mesh,
+    replicated_losses,
+    run_distributed,
+)
 from tests.models import MoEArgs, Transformer, model_args, moe_aux_loss
 
 STEPS, N_EXPERTS = 3, 4
@@ -111,19 +115,7 @@ def _train_fsdp(rank: int, mesh_shape: tuple[int, ...], steps=range(STEPS), mode
 
 
 def _train_reference(rank: int, world: int, **config) -> list[float]:
-    model = _model(**config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        loss = _loss(model, _batch(step, rank))
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return replicated_losses(_model(**config), lambda m, step: _loss(m, _batch(step, rank)), STEPS)
 
 
 def _resumed(rank: int, world: int, ckpt: str) -> list[float]:

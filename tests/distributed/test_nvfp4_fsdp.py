@@ -34,7 +34,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -43,7 +42,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_float8 import NVFP4Config, convert_to_float8_training, float8_step
 from fsdp_float8.core import nvfp4
 from fsdp_float8.tools.comm_stats import CollectiveCounter
-from tests.distributed.launcher import cpu_mesh, run_distributed
+from tests.distributed.launcher import cpu_mesh, replicated_losses, run_distributed
 
 DIM, STEPS = 64, 4
 CONFIG = NVFP4Config(enable_fsdp_float8_all_gather=True)
@@ -66,19 +65,7 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(rank: int, world: int, **config) -> list[float]:
-    model = _model(**config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        loss = _loss(model, _batch(step, rank))
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return replicated_losses(_model(**config), lambda m, step: _loss(m, _batch(step, rank)), STEPS)
 
 
 def _sharded(mesh, *, reshard: bool = True, checkpoint: bool = False, step: bool = True, **config):
