@@ -259,3 +259,17 @@ def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full)
+
+
+def moe_batch(step: int, rank: int) -> torch.Tensor:
+    """A rank's token batch at `step` for the small MoE tests: 2 sequences of 17 byte tokens,
+    seeded by (step, rank)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 256, (2, 17), generator=g)
+
+
+def moe_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of `tokens` plus the MoE blocks' load-balancing loss."""
+    logits = model(tokens[:, :-1])
+    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    return ce + moe_aux_loss(model)

@@ -21,14 +21,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_float8 import Float8LinearConfig, convert_to_float8_training
 from fsdp_float8.tools.comm_stats import CollectiveCounter
-from tests.distributed.launcher import DistributedError, cpu_mesh, run_distributed
-from tests.models import MoEArgs, Transformer, model_args, moe_aux_loss
+from tests.distributed.launcher import (
+    DistributedError,
+    cpu_mesh,
+    replicated_losses,
+    run_distributed,
+)
+from tests.models import MoEArgs, Transformer, model_args, moe_batch, moe_loss
 
 
 @dataclass(frozen=True)
@@ -49,17 +53,6 @@ def _model(case: MoECase) -> Transformer:
     )
     no_linears = lambda m, fqn: False  # only the experts in float8
     return convert_to_float8_training(model, config=config, module_filter_fn=no_linears)
-
-
-def _batch(step: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, 256, (2, 17), generator=g)
-
-
-def _loss(model, tokens):
-    logits = model(tokens[:, :-1])
-    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    return ce + moe_aux_loss(model)
 
 
 def _expected_forward_bytes(model, shards: int, rowwise: bool) -> int:
@@ -86,7 +79,7 @@ def _train_fsdp(case: MoECase, rank: int):
     losses, counts = [], []
     for step in range(case.steps):
         with CollectiveCounter() as fwd:
-            loss = _loss(model, _batch(step, rank))
+            loss = moe_loss(model, moe_batch(step, rank))
         with CollectiveCounter() as bwd:
             loss.backward()
         opt.step()
@@ -97,19 +90,9 @@ def _train_fsdp(case: MoECase, rank: int):
 
 
 def _train_reference(case: MoECase, rank: int, world_size: int) -> list[float]:
-    model = _model(case)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(case.steps):
-        loss = _loss(model, _batch(step, rank))
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world_size
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return replicated_losses(
+        _model(case), lambda m, step: moe_loss(m, moe_batch(step, rank)), case.steps
+    )
 
 
 def _grid(rank: int, world_size: int, cases: list[MoECase]):
@@ -151,7 +134,7 @@ def _uneven_rowwise(rank: int, world_size: int):
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    _loss(model, _batch(0, rank))
+    moe_loss(model, moe_batch(0, rank))
 
 
 def test_uneven_rowwise_experts_are_refused_on_every_rank(tmp_path):
@@ -170,7 +153,7 @@ def _sharded(case: MoECase, mesh):
 def _steps(model, opt, rank: int, steps) -> list[float]:
     losses = []
     for step in steps:
-        loss = _loss(model, _batch(step, rank))
+        loss = moe_loss(model, moe_batch(step, rank))
         loss.backward()
         opt.step()
         opt.zero_grad()

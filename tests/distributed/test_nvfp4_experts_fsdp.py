@@ -41,7 +41,7 @@ from tests.distributed.launcher import (
     replicated_losses,
     run_distributed,
 )
-from tests.models import MoEArgs, Transformer, model_args, moe_aux_loss
+from tests.models import MoEArgs, Transformer, model_args, moe_batch, moe_loss
 
 STEPS, N_EXPERTS = 3, 4
 
@@ -54,17 +54,6 @@ def _model(**config) -> Transformer:
     nvfp4 = NVFP4Config(enable_fsdp_float8_all_gather=True, **config)
     no_linears = lambda m, fqn: False  # only the experts in NVFP4
     return convert_to_float8_training(model, config=nvfp4, module_filter_fn=no_linears)
-
-
-def _batch(step: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, 256, (2, 17), generator=g)
-
-
-def _loss(model, tokens):
-    logits = model(tokens[:, :-1])
-    ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    return ce + moe_aux_loss(model)
 
 
 def _expert_bytes_per_gather(model, shards: int) -> int:
@@ -95,7 +84,7 @@ def _train_fsdp(rank: int, mesh_shape: tuple[int, ...], steps=range(STEPS), mode
     losses, uint8_bytes, amax_reduces = [], [], []
     for step in steps:
         with CollectiveCounter() as counter:
-            loss = _loss(model, _batch(step, rank))
+            loss = moe_loss(model, moe_batch(step, rank))
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -115,7 +104,9 @@ def _train_fsdp(rank: int, mesh_shape: tuple[int, ...], steps=range(STEPS), mode
 
 
 def _train_reference(rank: int, world: int, **config) -> list[float]:
-    return replicated_losses(_model(**config), lambda m, step: _loss(m, _batch(step, rank)), STEPS)
+    return replicated_losses(
+        _model(**config), lambda m, step: moe_loss(m, moe_batch(step, rank)), STEPS
+    )
 
 
 def _resumed(rank: int, world: int, ckpt: str) -> list[float]:
@@ -172,7 +163,7 @@ def _split_experts(rank: int, world: int) -> None:
     for block in model.blocks:
         fully_shard(block.feed_forward.experts, mesh=mesh, shard_placement_fn=lambda p: Shard(1))
     fully_shard(model, mesh=mesh)
-    _loss(model, _batch(0, rank))
+    moe_loss(model, moe_batch(0, rank))
 
 
 def test_shards_that_split_an_expert_are_refused_on_every_rank(tmp_path):
@@ -200,7 +191,7 @@ def _quantizations(rank: int, world: int) -> list[int]:
     with mock.patch.object(nvfp4, "quantize_per_matrix", counting):
         for step in range(STEPS):
             count[0] = 0
-            _loss(model, _batch(step, rank)).backward()
+            moe_loss(model, moe_batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
             per_step.append(count[0])
