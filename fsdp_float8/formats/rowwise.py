@@ -15,6 +15,12 @@ grad_input contracts over the rows, so its operand is the row-cast weight re-cas
 columns (`build_operand`, by `fsdp_float8.formats.recast`), built once per unshard
 (`operands`). The same re-cast serves a weight that is not gathered in float8
 (`recast.grad_input_from_rows`), so a model's numerics do not depend on how it is sharded.
+
+A plain weight (no float8 all-gather) compiled for a GPU is cast along its columns from its
+high-precision values in one kernel (`column_cast`): its amax is taken over a transposed
+copy, so Inductor sees a reduction along the contiguous dim, which it does not split, and
+fuses the cast into it; over the weight itself the reduction runs across rows, which it
+splits into two kernels and casts in a third.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.families import FAMILIES, one_scale, recipes_where
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemms import Gemm
+from fsdp_float8.core.gemms import Gemm, Operand
+from fsdp_float8.core.scaling import DynamicScaling
 from fsdp_float8.formats.operands import (
     AS_IS,
     Pair,
@@ -152,3 +159,51 @@ def build_operand(
 ) -> tuple[Pair, tuple[torch.Tensor, ...]]:
     """grad_input's operand, into `out`'s buffers when given (`operand_kind`)."""
     return recast_operand(weight, plan, cast, context, out)
+
+
+# where a compiled plain weight's column cast runs as one kernel (`column_cast`): GPU
+# Inductor's reductions (CPU Inductor does not split a reduction across rows)
+COLUMN_CAST_DEVICES = ("cuda",)
+
+
+def plain_operand(weight: torch.Tensor, gemm: Gemm, plan: CastPlan) -> Pair | None:
+    """A plain weight's operand for `gemm` where this format casts it itself (`column_cast`,
+    `one_kernel_columns`); None: the layer's own cast."""
+    if gemm is Gemm.GRAD_INPUT and one_kernel_columns(weight, plan):
+        return column_cast(weight, plan)
+    return None
+
+
+def one_kernel_columns(weight: torch.Tensor, plan: CastPlan) -> bool:
+    """Whether `column_cast` makes `weight`'s grad_input operand: compiled for a GPU, a 2-D
+    high-precision weight (not gathered in float8, not a DTensor's shard of a reduced
+    amax) whose grad_input cast is dynamic, per column, from its own amax."""
+    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    return (
+        torch.compiler.is_compiling()
+        and weight.device.type in COLUMN_CAST_DEVICES
+        and weight.dim() == 2
+        and not plan.weight_from_rows
+        and not plan.shared(Operand.WEIGHT)
+        and isinstance(strategy, DynamicScaling)
+        and strategy.group is None
+        and strategy.granularity.family is FAMILY
+    )
+
+
+def column_cast(weight: torch.Tensor, plan: CastPlan) -> Pair:
+    """A plain (N, K) weight cast along its columns for grad_input (one scale per column,
+    laid out column-major): the same bytes and scales as the layer's own cast
+    (`nn.linear.cast_operand`), but the amax reads a transposed copy (K, N), which
+    `as_strided` makes a buffer of its own (a clone would be folded into its reader).
+    Compiled on a GPU the copy, the amax and the cast fuse into one kernel that reads the
+    weight once; the layer's cast takes three (module docstring)."""
+    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    assert isinstance(strategy, DynamicScaling)
+    dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    rows = weight.detach().t().contiguous()
+    rows = rows.as_strided(rows.shape, (rows.shape[1], 1), 0)
+    scale = strategy.scale(rows, 1, dtype).t()  # (1, K): the amax of each column, exact
+    # the scale is of the weight's own amax: no clamp (`cast_to_float8_data`)
+    data = strategy.granularity.cast(weight, scale, 0, dtype, column_major=True, saturate=False)
+    return data, scale

@@ -96,4 +96,10 @@ def weight_for(weight: torch.Tensor, gemm: Gemm, plan: CastPlan, cast: Cast, con
     if gemm is Gemm.GRAD_INPUT and plan.weight_from_rows:
         rows = cast(weight, Operand.WEIGHT, Gemm.OUTPUT, plan, context)
         return grad_input_from_rows(rows, plan, cast, context)
+    strategy = plan.strategies[(Operand.WEIGHT, gemm)]
+    place = None if strategy is None else PLACES.get(strategy.granularity.family.name)
+    own = getattr(place, "plain_operand", None)  # a place's own cast of a plain weight
+    operand = None if own is None else own(weight, gemm, plan)
+    if operand is not None:
+        return operand
     return cast(weight, Operand.WEIGHT, gemm, plan, context)
