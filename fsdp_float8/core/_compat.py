@@ -24,6 +24,13 @@ The differences (checked on CPU with torch 2.11.0, 2.13.0 and 2.15.0):
 - ``torch.nn.functional.scaled_mm`` calls ``torch._scaled_mm_v2``, which torch 2.11's Dynamo
   does not trace (a graph break, an error under ``fullgraph=True``); the aten op itself
   traces on every version: ``scaled_mm_v2``.
+- Under ``torch.compile``, 2.11 tags a checkpointed region's ops for recompute by walking
+  the region's graph (``TagActivationCheckpoint.tag_nodes``), which does not enter the
+  subgraphs of a custom ``autograd.Function`` (Dynamo's ``autograd_function_apply``): the
+  partitioner then saves what a float8 linear computes inside a checkpointed block instead
+  of recomputing it, so checkpointing saves no memory there. 2.13 and later tag through the
+  dispatch mode, which reaches them. Where the walk is there, its tags are extended to
+  the nested subgraphs, once at import: ``checkpoint_tags_reach_functions``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_single",
+    "checkpoint_tags_reach_functions",
     "cpu_scaled_mm_takes_row_scales",
     "grouped_mm_available",
     "premul_sum",
@@ -183,3 +191,51 @@ def reduce_scatter_single(
 with torch.no_grad():  # the CPU probes, once at import (see the module docstring)
     _ROW_SCALES = _probe_row_scales()
     _GROUPED_MM["cpu"] = _probe_grouped_mm("cpu")
+
+
+def checkpoint_tags_reach_functions() -> bool:
+    """Make a compiled checkpointed region's recompute tags reach the ops inside its custom
+    `autograd.Function`s (module docstring); True when this torch needed it (its tagging
+    walks the region's top-level graph only). Idempotent."""
+    from torch._higher_order_ops import wrap
+
+    tagger = getattr(wrap, "TagActivationCheckpoint", None)
+    walk = getattr(tagger, "tag_nodes", None)
+    if walk is None:  # tags come from the dispatch mode: every op is reached
+        return False
+    if getattr(walk, "reaches_subgraphs", False):
+        return True
+
+    def tag_nodes(gmod, is_sac):
+        gmod = walk(gmod, is_sac)
+        tags = [node.meta for node in gmod.graph.nodes if "ac_graph_id" in node.meta]
+        if tags:
+            _copy_tags(gmod, tags[0]["ac_graph_id"], tags[0]["recompute"])
+        return gmod
+
+    tag_nodes.reaches_subgraphs = True  # type: ignore[attr-defined]
+    assert tagger is not None
+    tagger.tag_nodes = staticmethod(tag_nodes)
+    return True
+
+
+def _copy_tags(gmod: torch.fx.GraphModule, graph_id: int, recompute) -> None:
+    """The region's tags onto every op of the forward bodies of the custom
+    `autograd.Function`s its graph calls (Dynamo's `autograd_function_apply`, whose first
+    argument is the forward body), at any depth. Backward bodies run in the backward: no
+    recompute decision is theirs."""
+    for node in gmod.graph.nodes:
+        if node.op != "call_function" or "autograd_function_apply" not in str(node.target):
+            continue
+        body_ref = node.args[0] if node.args else None
+        body = getattr(gmod, str(getattr(body_ref, "target", "")), None)
+        if not isinstance(body, torch.fx.GraphModule):
+            continue
+        for inner in body.graph.nodes:
+            if inner.op in ("call_function", "call_method", "call_module"):
+                inner.meta["ac_graph_id"] = graph_id
+                inner.meta["recompute"] = recompute
+        _copy_tags(body, graph_id, recompute)
+
+
+CHECKPOINT_TAGS_MENDED = checkpoint_tags_reach_functions()
