@@ -201,7 +201,9 @@ def column_cast(weight: torch.Tensor, plan: CastPlan) -> Pair:
     strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
     assert isinstance(strategy, DynamicScaling)
     dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    rows = weight.detach().t().contiguous()
+    # a fresh buffer at offset 0 (`contiguous` would return a column-major weight's
+    # transpose as it is, at its own storage offset)
+    rows = weight.detach().t().clone(memory_format=torch.contiguous_format)
     rows = rows.as_strided(rows.shape, (rows.shape[1], 1), 0)
     scale = strategy.scale(rows, 1, dtype).t()  # (1, K): the amax of each column, exact
     # the scale is of the weight's own amax: no clamp (`cast_to_float8_data`)

@@ -107,3 +107,17 @@ def test_column_cast_only_where_it_applies():
             assert scale.dim() == 0
     with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
         assert rowwise.plain_operand(w, Gemm.GRAD_INPUT, rows) is None  # CPU: not a GPU
+
+
+def test_column_cast_of_a_column_major_view():
+    """A weight that is a transposed view of a slice (its transpose already contiguous, at a
+    storage offset): the transposed copy is a fresh buffer, not the view read from offset 0."""
+    plan = CastPlan.from_config(Float8LinearConfig.from_recipe_name("rowwise"))
+    base = _weight(torch.bfloat16).t().contiguous()  # (64, 96)
+    padded = torch.cat([torch.full((1, 96), 1e4, dtype=torch.bfloat16), base])
+    w = padded[1:].t()  # (96, 64), column-major, storage offset 96
+    assert w.t().is_contiguous() and w.t().storage_offset() == 96
+    data, scale = rowwise.column_cast(w, plan)
+    want_data, want_scale = cast_operand(w, Operand.WEIGHT, Gemm.GRAD_INPUT, plan, {})
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
