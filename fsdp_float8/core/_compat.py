@@ -188,11 +188,6 @@ def reduce_scatter_single(
     scatter(output, input, op=op, group=group)
 
 
-with torch.no_grad():  # the CPU probes, once at import (see the module docstring)
-    _ROW_SCALES = _probe_row_scales()
-    _GROUPED_MM["cpu"] = _probe_grouped_mm("cpu")
-
-
 def checkpoint_tags_reach_functions() -> bool:
     """Make a compiled checkpointed region's recompute tags reach the ops inside its custom
     `autograd.Function`s (module docstring); True when this torch needed it (its tagging
@@ -238,4 +233,8 @@ def _copy_tags(gmod: torch.fx.GraphModule, graph_id: int, recompute) -> None:
         _copy_tags(body, graph_id, recompute)
 
 
+# once at import (see the module docstring): the CPU probes, and the checkpoint-tag mend
+with torch.no_grad():
+    _ROW_SCALES = _probe_row_scales()
+    _GROUPED_MM["cpu"] = _probe_grouped_mm("cpu")
 CHECKPOINT_TAGS_MENDED = checkpoint_tags_reach_functions()

@@ -195,7 +195,8 @@ def column_cast(weight: torch.Tensor, plan: CastPlan) -> Pair:
     """A plain (N, K) weight cast along its columns for grad_input (one scale per column,
     laid out column-major): the same bytes and scales as the layer's own cast
     (`nn.linear.cast_operand`), but the amax reads a transposed copy (K, N), which
-    `as_strided` makes a buffer of its own (a clone would be folded into its reader).
+    `as_strided` makes a buffer of its own (compiled, a plain copy would be folded into
+    its reader and the reduction would run across rows again).
     Compiled on a GPU the copy, the amax and the cast fuse into one kernel that reads the
     weight once; the layer's cast takes three (module docstring)."""
     strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
