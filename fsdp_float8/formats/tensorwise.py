@@ -28,7 +28,7 @@ from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.families import FAMILIES
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import DynamicScaling, stacked_scales
+from fsdp_float8.core.scaling import DynamicScaling, cast_to_float8_data, stacked_scales
 from fsdp_float8.formats.operands import (
     AS_IS,
     CACHED,
@@ -62,6 +62,63 @@ def build_operand(
     """grad_input's operand: the same float8 bytes and scale, column-major."""
     data, new = column_major(weight._data, None if out is None else out[0])
     return (data, weight._scale), new
+
+
+# where a compiled plain weight's one-scale grad_input cast takes its scale from the row
+# scales of its output GEMM cast (`columns_from_row_scales`): GPU Inductor's reductions (its
+# amax over the whole weight is two kernels, then a third casts and a fourth expands the
+# scale for the row-scaled GEMM)
+ROW_SCALE_DEVICES = ("cuda",)
+
+
+def from_row_scales(weight: torch.Tensor, plan: CastPlan) -> bool:
+    """Whether a plain weight cast per row for the output GEMM takes its one grad_input
+    scale from those rows' scales (`columns_from_row_scales`): compiled for a GPU, a 2-D
+    high-precision weight with rows and columns, both casts dynamic from the weight's own
+    amax (no reduction over a group) with one scale rule (float8 dtype, power-of-two
+    rounding), the rows not re-cast for grad_input (`CastPlan.weight_from_rows`)."""
+    rows = plan.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
+    columns = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    return (
+        torch.compiler.is_compiling()
+        and weight.device.type in ROW_SCALE_DEVICES
+        and weight.dim() == 2
+        and weight.numel() > 0
+        and not plan.weight_from_rows
+        and isinstance(rows, DynamicScaling)
+        and isinstance(columns, DynamicScaling)
+        and rows.group is None
+        and columns.group is None
+        and rows.granularity.family is FAMILIES["rowwise"]
+        and columns.granularity.family is FAMILY
+        and rows.power_of_2 == columns.power_of_2
+        and plan.dtypes[(Operand.WEIGHT, Gemm.OUTPUT)]
+        == plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    )
+
+
+def columns_from_row_scales(
+    weight: torch.Tensor, row_scale: torch.Tensor, plan: CastPlan
+) -> tuple[Pair, torch.Tensor]:
+    """grad_input's operand of a plain (N, K) weight with one scale, from the (N, 1) scales
+    of its output GEMM's row cast (`from_row_scales`), with the scale's inverse.
+
+    The same bytes and scale as the layer's cast: a scale is a non-increasing function of
+    its amax (division, rounding to float32, rounding down to a power of two), so with one
+    rule the least row scale is the scale of the largest row amax, the weight's; and the
+    largest row inverse is its inverse. The scale and the inverse come as the (1, K)
+    vectors of their K copies that the row-scaled GEMM takes, each copy reduced from the N
+    rows itself: compiled, one small kernel makes both vectors (from forward's scales, so
+    the forward runs it and keeps them) and backward's one kernel casts the weight, which
+    it reads once, laid out column-major."""
+    dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    n, k = weight.shape
+    rows = row_scale.reshape(1, n).expand(k, n)
+    scale = rows.amin(dim=1).reshape(1, k)
+    inverse = row_scale.reciprocal().reshape(1, n).expand(k, n).amax(dim=1).reshape(1, k)
+    # the scale is of the weight's own amax: no clamp (`cast_to_float8_data`)
+    data = cast_to_float8_data(weight, scale, dtype, column_major=True, saturate=False)
+    return (data, scale), inverse
 
 
 def pack(

@@ -43,6 +43,7 @@ from fsdp_float8.core.gemms import (
     refuse_double_backward,
 )
 from fsdp_float8.core.input_casts import shared_casts, shared_grad_weight
+from fsdp_float8.formats.tensorwise import columns_from_row_scales, from_row_scales
 from fsdp_float8.formats.weight_operands import joint_place, weight_for
 from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.nn.layer import QuantizedLinear
@@ -186,6 +187,8 @@ class _Float8LinearFn(torch.autograd.Function):
         # without another amax pass, and without recording delayed amaxes twice
         # (not a gathered Float8Tensor's scale: FSDP2 refreshes it in place on re-gather)
         w_scale = None if isinstance(weight, Float8Tensor) else w_fp8[1]
+        # a plain weight's row scales give its one grad_input scale (`from_row_scales`)
+        ctx.row_scales = joint is None and from_row_scales(weight, plan)
         if record is not None and record.forward is not None:
             record.inverse = x_inv
         ctx.save_for_backward(*saved_x, weight, x_fp8[1], w_scale, x_inv)
@@ -207,14 +210,18 @@ class _Float8LinearFn(torch.autograd.Function):
         record, ctx.record = ctx.record, None  # held until the last reader's backward
         go2 = grad_out.reshape(-1, grad_out.shape[-1])
         go_fp8 = cast_operand(go2, Operand.GRAD_OUTPUT, Gemm.GRAD_INPUT, plan, states)
+        w_inv = None
         if w_col is not None and plan.shared(Operand.WEIGHT):
             w_gi = (w_col, w_scale)
+        elif ctx.row_scales:
+            w_gi, w_inv = columns_from_row_scales(weight, w_scale, plan)
         elif isinstance(weight, Float8Tensor) or not plan.shared(Operand.WEIGHT):
             w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
         else:
             w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
         go_inv = _inverse_of(go_fp8[1])
-        w_inv = _weight_inverse(weight, w_gi[1])
+        if w_inv is None:
+            w_inv = _weight_inverse(weight, w_gi[1])
         grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype, (go_inv, w_inv))
         if plan.shared(Operand.GRAD_OUTPUT):
             go_gw, go_gw_inv = go_fp8, go_inv

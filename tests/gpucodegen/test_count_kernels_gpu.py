@@ -13,11 +13,11 @@ from f8train import count_kernels
 pytestmark = pytest.mark.gpucodegen
 
 # Triton launches (forward, backward) of one compiled block on H100
-PINNED = {"bf16": (1, 1), "tensorwise": (7, 8), "rowwise": (7, 12)}
+PINNED = {"bf16": (1, 1), "tensorwise": (7, 8), "rowwise": (7, 12), "rowwise_with_gw_hp": (7, 7)}
 # torchao 0.18's on the same block and command (docs/results.md); the target: at most 0.8x
-TORCHAO = {"tensorwise": (15, 11), "rowwise": (7, 26)}
+TORCHAO = {"tensorwise": (15, 11), "rowwise": (7, 26), "rowwise_with_gw_hp": (5, 13)}
 # torchao 0.18's non-GEMM MB on the same block (Inductor's per-kernel estimates, summed)
-TORCHAO_MB = {"tensorwise": 55.6, "rowwise": 83.6}
+TORCHAO_MB = {"tensorwise": 55.6, "rowwise": 83.6, "rowwise_with_gw_hp": 41.5}
 
 
 def test_count_kernels_gpu_plumbing(tmp_path, capsys):
@@ -47,3 +47,14 @@ def test_rowwise_launches_pinned():
     assert sum(PINNED["rowwise"]) <= 0.8 * sum(TORCHAO["rowwise"])
     assert counts["gemms"] == {"_scaled_mm": 9}
     assert counts["nongemm_bytes"] <= 0.8 * TORCHAO_MB["rowwise"] * 1e6
+
+
+def test_rowwise_with_gw_hp_launches_pinned():
+    """grad_input's one weight scale comes from the forward's row scales
+    (`formats.tensorwise.columns_from_row_scales`): backward casts each weight in one kernel,
+    without an amax pass over it."""
+    counts = count_kernels.gpu_block_counts("h100", "ours", "rowwise_with_gw_hp", "small")
+    assert (counts["triton_fwd"], counts["triton_bwd"]) == PINNED["rowwise_with_gw_hp"]
+    assert sum(PINNED["rowwise_with_gw_hp"]) <= 0.8 * sum(TORCHAO["rowwise_with_gw_hp"])
+    assert counts["gemms"] == {"_scaled_mm": 6, "mm": 3}  # grad_weight in bf16, by design
+    assert counts["nongemm_bytes"] < TORCHAO_MB["rowwise_with_gw_hp"] * 1e6
