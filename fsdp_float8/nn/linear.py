@@ -119,20 +119,22 @@ def _gemm(
 # kernels for six, `joint_cast`); CPU Inductor lowers the stacked form into more loop nests
 # than the separate casts (38 kernels against 30 for the SwiGLU block of `count_kernels`)
 JOINT_CAST_DEVICES = ("cuda",)
+_JOINT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _joint(x2: torch.Tensor, weight: torch.Tensor, plan: CastPlan) -> bool:
     """Whether the output GEMM's input and weight casts run as one (`joint_cast`): in a
     compiled graph on a GPU (eager, the stacked copy would cost a pass of its own), for a plain
-    high-precision weight (not a gathered one) of the input's dtype, with static shapes
-    whose dims are multiples of 16."""
+    high-precision weight (not a gathered one), both of them 16- or 32-bit floats (stacked in
+    the wider dtype, which holds both exactly: a float32 weight under autocast), with static
+    shapes whose dims are multiples of 16."""
     return (
         torch.compiler.is_compiling()
         and x2.device.type in JOINT_CAST_DEVICES
         and plan.joint_output_cast()
         and not isinstance(weight, (Float8Tensor, Float8WeightWrapper))
-        and x2.dtype == weight.dtype
-        and x2.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x2.dtype in _JOINT_DTYPES
+        and weight.dtype in _JOINT_DTYPES
         # static shapes only (known without a guard): at a dynamic-shape recompile torch
         # 2.11's Dynamo fails on views at symbolic offsets (separate casts: the same bytes)
         and statically_known_true(x2.shape[0] > 0)

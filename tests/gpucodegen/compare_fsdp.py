@@ -37,6 +37,11 @@ def main() -> list[list[str]]:
             ours = _totals(cases.fsdp_step(recipe, ac))
             theirs = _totals(cases.fsdp_step(recipe, ac, lib="torchao"))
             rows.append(_row("FSDP2 step", recipe, "on" if ac else "off", ours, theirs))
+    # a recipe beside the targets: the block alone
+    recipe = "rowwise_with_gw_hp"
+    ours = _totals(cases.block("h100", recipe))
+    theirs = _totals(cases.block("h100", recipe, lib="torchao"))
+    rows.append(_row("block", recipe, "off", ours, theirs))
     headers = ["setting", "recipe", "AC", "launches ours", "torchao", "ratio", "MB ours"]
     headers += ["torchao", "ratio", "_scaled_mm ours", "torchao"]
     print(markdown_table(headers, rows))

@@ -24,20 +24,29 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+# (input dtype, weight dtype): one dtype, or an input under autocast beside a float32 weight
+DTYPES = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+]
+
+
 @pytest.mark.parametrize("power_of_2", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtypes", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "x_range, w_range", [(1.0, 0.05), (3e-4, 40.0), (0.0, 1.0), (1.0, 0.0)], ids=str
 )
-def test_joint_cast_equals_the_separate_casts(power_of_2, dtype, x_range, w_range):
+def test_joint_cast_equals_the_separate_casts(power_of_2, dtypes, x_range, w_range):
     torch.manual_seed(0)
     config = Float8LinearConfig.from_recipe_name("tensorwise")
     if power_of_2:
         config = Float8LinearConfig(round_scales_to_power_of_2=True)
     plan = CastPlan.from_config(config)
     assert plan.joint_output_cast()
-    x = (torch.randn(48, 64) * x_range).to(dtype)
-    w = (torch.randn(32, 64) * w_range).to(dtype)
+    x = (torch.randn(48, 64) * x_range).to(dtypes[0])
+    w = (torch.randn(32, 64) * w_range).to(dtypes[1])
     joint = joint_cast(x, w, plan)
     x_ref = cast_operand(x, Operand.INPUT, Gemm.OUTPUT, plan, {})
     w_ref = cast_operand(w, Operand.WEIGHT, Gemm.OUTPUT, plan, {})
@@ -59,11 +68,12 @@ def test_only_dynamic_tensorwise_plans_join():
         assert not CastPlan.from_config(make_config("tensorwise", scaling)).joint_output_cast()
 
 
-def _steps(layer: nn.Module, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _steps(layer: nn.Module, xs: list[torch.Tensor], autocast=False) -> list[torch.Tensor]:
     got = []
     for x in xs:
         x = x.clone().requires_grad_()
-        y = layer(x)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):  # backward outside
+            y = layer(x)
         y.float().square().sum().backward()
         got += [y.detach(), x.grad]
     return got + [layer.weight.grad]
@@ -91,6 +101,30 @@ def test_compiled_layer_equals_eager(tokens, monkeypatch):
     for a, b in zip(_steps(eager, xs), _steps(compiled, xs), strict=True):
         assert torch.equal(a, b)
     assert bool(traced) == (tokens % 16 == 0)  # while tracing only: never in eager
+
+
+def test_compiled_layer_under_autocast_takes_the_joint_cast(monkeypatch):
+    """A float32 layer under bf16 autocast (its input cast to bf16, its weight cast from
+    float32): the joint cast stacks both in float32 (exact for bf16), and the compiled
+    layer equals eager bit for bit."""
+    traced = []
+
+    def counted(*args):
+        traced.append((args[0].dtype, args[1].dtype))
+        return joint_cast(*args)
+
+    monkeypatch.setattr(linear_module, "joint_cast", counted)
+    monkeypatch.setattr(linear_module, "JOINT_CAST_DEVICES", ("cuda", "cpu"))
+    torch._dynamo.reset()  # no graph of another test's patches
+    torch.manual_seed(0)
+    eager = Float8Linear.from_float(
+        nn.Linear(64, 48, bias=False), make_config("tensorwise", "dynamic")
+    )
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
+    xs = [torch.randn(32, 64) * s for s in (1.0, 7.0)]
+    for a, b in zip(_steps(eager, xs, autocast=True), _steps(compiled, xs, autocast=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert traced and set(traced) == {(torch.bfloat16, torch.float32)}
 
 
 def test_cpu_compile_keeps_the_separate_casts(monkeypatch):
