@@ -3,6 +3,7 @@ and the training step as torchtitan runs it (FSDP2 per block, each block compile
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 from unittest import mock
@@ -109,6 +110,56 @@ def block(gpu: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
             x.requires_grad_()
             cos, sin = cos[:SEQ].to("cuda"), sin[:SEQ].to("cuda")
         torch.compile(model, backend=codegen_backend(log), fullgraph=True)(x, cos, sin)
+    return _result(log)
+
+
+# small graphs of nn.Linear layers, beside the block: (layers, input shape, autocast)
+GRAPHS = {
+    "linear": ("linear", (4, 512, 1024), False),
+    "linear_bias": ("linear_bias", (4, 512, 1024), False),
+    "gelu_mlp": ("gelu_mlp", (2048, 1024), False),
+    "relu_mlp3": ("relu_mlp3", (8, 256, 512), False),
+    # float32 parameters under bf16 autocast (the layer casts its input to bf16)
+    "linear_autocast": ("linear", (4, 512, 1024), True),
+}
+
+
+def _layers(name: str) -> nn.Module:
+    if name == "linear":
+        return nn.Sequential(nn.Linear(1024, 2048, bias=False))
+    if name == "linear_bias":
+        return nn.Sequential(nn.Linear(1024, 2048))
+    if name == "gelu_mlp":
+        return nn.Sequential(
+            nn.Linear(1024, 4096, bias=False), nn.GELU(), nn.Linear(4096, 1024, bias=False)
+        )
+    assert name == "relu_mlp3", name
+    mlp = [nn.Linear(512, 512, bias=False), nn.ReLU()] * 2 + [nn.Linear(512, 512, bias=False)]
+    return nn.Sequential(*[copy.deepcopy(m) for m in mlp])
+
+
+@functools.cache
+def graph(kind: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
+    """One of `GRAPHS`, float8 per `recipe` (`lib` "torchao": torchao's conversion),
+    compiled for H100: forward + backward."""
+    layers, shape, autocast = GRAPHS[kind]
+    dtype = torch.float32 if autocast else torch.bfloat16
+    with gpu_codegen("h100", cubin=False) as log:
+        with torch.device("meta"):
+            model = _layers(layers).to(dtype)
+        if lib == "torchao":  # not a dependency of the lane: `compare_graphs` only
+            import torchao.float8 as ao
+
+            cfg = ao.Float8LinearConfig.from_recipe_name(recipe)
+            ao.convert_to_float8_training(model, config=cfg)
+        else:
+            convert_to_float8_training(model, config=config(recipe))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = model.to_empty(device="cuda")
+            x = torch.empty(shape, device="cuda", dtype=dtype, requires_grad=True)
+        compiled = torch.compile(model, backend=codegen_backend(log), fullgraph=True)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            compiled(x)
     return _result(log)
 
 

@@ -1,0 +1,52 @@
+"""GPU codegen (H100) of small graphs of linear layers (`cases.GRAPHS`: one linear, with a
+bias, a GELU MLP, a 3-layer ReLU MLP, a float32 linear under bf16 autocast) per recipe: one
+forward and one backward graph, the scaled GEMMs each linear calls, no host sync, and the
+Triton launches pinned beside torchao 0.18's on the same graphs
+(`python -m tests.gpucodegen.compare_graphs`, docs/results.md): at most 0.8x."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpucodegen import cases
+
+pytestmark = pytest.mark.gpucodegen
+
+LINEARS = {"linear": 1, "linear_bias": 1, "gelu_mlp": 2, "relu_mlp3": 3, "linear_autocast": 1}
+# (graph, recipe) -> Triton launches (forward, backward): this library's, torchao 0.18's
+PINNED = {
+    ("linear", "tensorwise"): ((3, 3), (7, 4)),
+    ("linear", "rowwise"): ((4, 5), (5, 9)),
+    ("linear", "rowwise_with_gw_hp"): ((3, 2), (2, 6)),
+    ("linear_bias", "tensorwise"): ((4, 5), (8, 6)),
+    ("linear_bias", "rowwise"): ((5, 6), (6, 10)),
+    ("linear_bias", "rowwise_with_gw_hp"): ((4, 4), (3, 8)),
+    ("gelu_mlp", "tensorwise"): ((6, 6), (12, 8)),
+    ("gelu_mlp", "rowwise"): ((6, 10), (6, 19)),
+    ("gelu_mlp", "rowwise_with_gw_hp"): ((5, 5), (4, 10)),
+    ("relu_mlp3", "tensorwise"): ((11, 9), (19, 14)),
+    ("relu_mlp3", "rowwise"): ((8, 14), (9, 29)),
+    ("relu_mlp3", "rowwise_with_gw_hp"): ((9, 6), (6, 14)),
+    ("linear_autocast", "tensorwise"): ((3, 4), (7, 6)),
+    ("linear_autocast", "rowwise"): ((4, 7), (5, 9)),
+    ("linear_autocast", "rowwise_with_gw_hp"): ((3, 4), (2, 7)),
+}
+
+
+@pytest.mark.parametrize("kind, recipe", list(PINNED), ids="-".join)
+def test_graph(kind, recipe):
+    compiled = cases.graph(kind, recipe)
+    assert compiled.graph_breaks == 0 and compiled.dynamo_graphs == 1
+    (fwd,) = compiled.of_kind("forward")
+    (bwd,) = compiled.of_kind("backward")
+    for graph in (fwd, bwd):
+        assert graph.host_syncs == [], (graph.kind, graph.host_syncs)
+    n = LINEARS[kind]
+    assert dict(fwd.gemms) == {"_scaled_mm": n}, fwd.gemms
+    if recipe == "rowwise_with_gw_hp":  # grad_weight in high precision, by design
+        assert dict(bwd.gemms) == {"_scaled_mm": n, "mm": n}, bwd.gemms
+    else:
+        assert dict(bwd.gemms) == {"_scaled_mm": 2 * n}, bwd.gemms
+    ours, torchao = PINNED[(kind, recipe)]
+    assert (fwd.triton, bwd.triton) == ours
+    assert sum(ours) <= 0.8 * sum(torchao)
