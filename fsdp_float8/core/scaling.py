@@ -169,6 +169,20 @@ def stacked_scales(
     )
 
 
+def least_row_scale(row_scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one scale of a tensor cast per row with the same rule (float8 dtype, power-of-two
+    rounding), from its (N, 1) row scales, and that scale's inverse: each a (1, k) vector of
+    k copies (what a row-scaled GEMM takes for a one-scale operand). A scale falls as its
+    amax rises (division, rounding to float32, rounding down to a power of two), so the
+    least row scale is the scale of the largest row amax, the tensor's, exactly; the largest
+    row inverse is its inverse. Each copy is reduced from the N rows itself: compiled, one
+    small kernel makes both vectors."""
+    n = row_scale.numel()
+    rows = row_scale.reshape(1, n).expand(k, n)
+    inverse = row_scale.reciprocal().reshape(1, n).expand(k, n)
+    return rows.amin(dim=1).reshape(1, k), inverse.amax(dim=1).reshape(1, k)
+
+
 def axis_amax(hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
     """max |x| along `dim` (kept, so it broadcasts back), float32 (or the tensor's dtype
     when `exact`, see `tensor_amax`); 0 where `dim` is empty."""

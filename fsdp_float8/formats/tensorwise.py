@@ -28,7 +28,12 @@ from fsdp_float8.core.cast_plan import Cast, CastPlan
 from fsdp_float8.core.families import FAMILIES
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemms import Gemm, Operand
-from fsdp_float8.core.scaling import DynamicScaling, cast_to_float8_data, stacked_scales
+from fsdp_float8.core.scaling import (
+    DynamicScaling,
+    cast_to_float8_data,
+    least_row_scale,
+    stacked_scales,
+)
 from fsdp_float8.formats.operands import (
     AS_IS,
     CACHED,
@@ -89,7 +94,8 @@ def from_row_scales(weight: torch.Tensor, plan: CastPlan) -> bool:
         and isinstance(columns, DynamicScaling)
         and rows.group is None
         and columns.group is None
-        and rows.granularity.family is FAMILIES["rowwise"]
+        and rows.granularity.per_row  # one scale per row, which broadcasts (no blocks)
+        and rows.granularity.broadcast_scales
         and columns.granularity.family is FAMILY
         and rows.power_of_2 == columns.power_of_2
         and plan.dtypes[(Operand.WEIGHT, Gemm.OUTPUT)]
@@ -101,21 +107,15 @@ def columns_from_row_scales(
     weight: torch.Tensor, row_scale: torch.Tensor, plan: CastPlan
 ) -> tuple[Pair, torch.Tensor]:
     """grad_input's operand of a plain (N, K) weight with one scale, from the (N, 1) scales
-    of its output GEMM's row cast (`from_row_scales`), with the scale's inverse.
-
-    The same bytes and scale as the layer's cast: a scale is a non-increasing function of
-    its amax (division, rounding to float32, rounding down to a power of two), so with one
-    rule the least row scale is the scale of the largest row amax, the weight's; and the
-    largest row inverse is its inverse. The scale and the inverse come as the (1, K)
-    vectors of their K copies that the row-scaled GEMM takes, each copy reduced from the N
-    rows itself: compiled, one small kernel makes both vectors (from forward's scales, so
-    the forward runs it and keeps them) and backward's one kernel casts the weight, which
-    it reads once, laid out column-major."""
+    of its output GEMM's row cast (`from_row_scales`), with the scale's inverse: the same
+    bytes and scale as the layer's cast (`core.scaling.least_row_scale` says why), laid out
+    column-major, the scale and inverse as the (1, K) vectors the row-scaled GEMM takes.
+    Compiled on a GPU: one small kernel reduces the row scales (the partitioner runs it in
+    forward or in backward, whichever keeps fewer bytes between them), one casts the
+    weight; the layer's cast reads the weight for an amax (two kernels), casts it, and
+    expands the scale in a fourth."""
     dtype = plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
-    n, k = weight.shape
-    rows = row_scale.reshape(1, n).expand(k, n)
-    scale = rows.amin(dim=1).reshape(1, k)
-    inverse = row_scale.reciprocal().reshape(1, n).expand(k, n).amax(dim=1).reshape(1, k)
+    scale, inverse = least_row_scale(row_scale, weight.shape[1])
     # the scale is of the weight's own amax: no clamp (`cast_to_float8_data`)
     data = cast_to_float8_data(weight, scale, dtype, column_major=True, saturate=False)
     return (data, scale), inverse
