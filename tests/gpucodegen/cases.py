@@ -121,7 +121,26 @@ GRAPHS = {
     "relu_mlp3": ("relu_mlp3", (8, 256, 512), False),
     # float32 parameters under bf16 autocast (the layer casts its input to bf16)
     "linear_autocast": ("linear", (4, 512, 1024), True),
+    "layernorm_mlp": ("layernorm_mlp", (2048, 1024), False),
+    "attention": ("attention", (4, 512, 1024), False),
 }
+
+
+class _Attention(nn.Module):
+    """Causal self-attention: q, k, v and output projections around SDPA (8 heads)."""
+
+    def __init__(self, dim: int = 1024, heads: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
 def _layers(name: str) -> nn.Module:
@@ -133,6 +152,12 @@ def _layers(name: str) -> nn.Module:
         return nn.Sequential(
             nn.Linear(1024, 4096, bias=False), nn.GELU(), nn.Linear(4096, 1024, bias=False)
         )
+    if name == "layernorm_mlp":
+        return nn.Sequential(
+            nn.LayerNorm(1024), nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)
+        )
+    if name == "attention":
+        return _Attention()
     assert name == "relu_mlp3", name
     mlp = [nn.Linear(512, 512, bias=False), nn.ReLU()] * 2 + [nn.Linear(512, 512, bias=False)]
     return nn.Sequential(*[copy.deepcopy(m) for m in mlp])
