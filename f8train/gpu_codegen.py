@@ -441,6 +441,8 @@ _CALL = re.compile(r"\n    def call\(self, args\):\n(.*?)\n(?:runner = |\S)", re
 _CALL_FN = re.compile(r"\ndef call\(args\):\n(.*?)\n\S", re.S)
 SCALED_GEMMS = ("_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm")
 HP_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+# this library's own GEMM ops, by the aten GEMM each one is
+OWN_GEMMS = {"mm_outside_autocast": "mm"}
 HOST_SYNCS = ("_local_scalar_dense", ".item()", ".cpu()", ".tolist()", "device(type='cpu')")
 
 
@@ -457,7 +459,8 @@ def launches(src: str) -> dict:
     triton = re.findall(r"^\s+(\w+)\.run\(", body, re.M)
     extern = re.findall(r"extern_kernels\.(\w+)\(", body)
     fallback = re.findall(r"torch\.ops\.\w+\.(\w+)\.\w+\(", body)
-    gemms = Counter(op for op in extern + fallback if op in SCALED_GEMMS + HP_GEMMS)
+    ops = [OWN_GEMMS.get(op, op) for op in extern + fallback]
+    gemms = Counter(op for op in ops if op in SCALED_GEMMS + HP_GEMMS)
     syncs = [s for s in HOST_SYNCS if s in body]
     return {"triton": triton, "extern": extern, "fallback": fallback, "gemms": gemms,
             "host_syncs": syncs}  # fmt: skip

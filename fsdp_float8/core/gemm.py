@@ -124,6 +124,11 @@ def _cpu_scaled_mm(
     as they are inside a CUDA GEMM: torch.compile calls it as it calls `torch._scaled_mm`,
     and the graph around it is the one a GPU gets (`f8train/count_kernels.py` opens it).
     """
+    with torch.autocast("cpu", enabled=False):  # as the CUDA GEMM: autocast leaves it
+        return _cpu_scaled_mm_here(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
+
+
+def _cpu_scaled_mm_here(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum):
     scalar_scales = inv_a.dim() == 0 and inv_b.dim() == 0
     row_scales = _compat._ROW_SCALES  # probed once (the call below probes at first use)
     if row_scales is None:
@@ -148,6 +153,40 @@ cpu_scaled_mm = torch.library.custom_op("fsdp_float8::cpu_scaled_mm", mutates_ar
 @cpu_scaled_mm.register_fake
 def _cpu_scaled_mm_fake(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum):
     return a_data.new_empty((a_data.shape[0], b_data.shape[1]), dtype=out_dtype)
+
+
+def _mm_outside_autocast(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    with torch.autocast(a.device.type, enabled=False):
+        if a.dtype == b.dtype == out_dtype:
+            return torch.mm(a, b)
+        if a.is_cuda and a.dtype == b.dtype and a.dtype.itemsize == 2 and out_dtype.itemsize == 4:
+            # 16-bit operands, float32 accumulation and result: no float32 copies of them
+            return torch.mm(a, b, out_dtype=out_dtype)
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+
+# one op, opaque to autocast and to tracing: the context inside it is never traced
+mm_outside_autocast = torch.library.custom_op("fsdp_float8::mm_outside_autocast", mutates_args=())(
+    _mm_outside_autocast
+)
+
+
+@mm_outside_autocast.register_fake
+def _mm_outside_autocast_fake(a, b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def high_precision_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` with a result in `out_dtype` (float32 for a float32 weight's gradient),
+    whatever autocast says: a float8 layer's high-precision GEMM (rowwise_with_gw_hp's
+    grad_weight, the emulation's) must not depend on whether `.backward()` runs inside the
+    forward's autocast region, nor on tracing (torch.compile traces a backward under the
+    forward's autocast). A float32 result, or any under autocast, comes from
+    `mm_outside_autocast`; otherwise it is `torch.mm` in `out_dtype` (which autocast, off,
+    leaves as it is)."""
+    if out_dtype == torch.float32 or torch.is_autocast_enabled(a.device.type):
+        return mm_outside_autocast(a, b, out_dtype)
+    return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
 
 def row_scaled_mm_around_unit_gemm(
@@ -204,7 +243,8 @@ def scaled_mm_data(
     if a_data.shape[1] % 16 or n % 16:  # else `_pad_to_16` has nothing to do
         a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)
     if emulate:
-        out = (a_data.to(torch.float32) * inv_a) @ (b_data.to(torch.float32) * inv_b)
+        dequantized = (a_data.to(torch.float32) * inv_a, b_data.to(torch.float32) * inv_b)
+        out = high_precision_mm(*dequantized, torch.float32)
         out = out.to(out_dtype)
     else:
         # nothing to refuse: a tensorwise GEMM, or a CPU one outside `cuda_gemm_rules_on_cpu`

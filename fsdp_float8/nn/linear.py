@@ -33,7 +33,7 @@ from fsdp_float8.core.config import Float8LinearConfig, ScalingType, as_float8_l
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.core.float8_tensor import Float8Tensor
-from fsdp_float8.core.gemm import check_float8_gemm_device, scaled_mm_data
+from fsdp_float8.core.gemm import check_float8_gemm_device, high_precision_mm, scaled_mm_data
 from fsdp_float8.core.gemms import (
     CONTRACTION_DIM,
     PRIMARY_GEMM,
@@ -98,7 +98,7 @@ def _gemm(
 ) -> torch.Tensor:
     (a, a_scale), (b, b_scale) = left, right
     if a_scale is None or b_scale is None:  # both or neither (the config checks)
-        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+        return high_precision_mm(a, b, out_dtype)
     return scaled_mm_data(
         a,
         a_scale,

@@ -115,3 +115,20 @@ def test_joint_cast_columns_reach_the_gemms_without_a_copy():
         new = {name: c - before.get(name, 0) for name, c in rules.calls.items()}
     assert new.get("_scaled_mm") == 2
     assert not {"clone", "copy_", "_to_copy", "contiguous"} & {n for n, c in new.items() if c}
+
+
+def test_high_precision_gemm_of_16_bit_operands_keeps_a_float32_result():
+    """A float32 weight's high-precision GEMM (rowwise_with_gw_hp's grad_weight, autocast's
+    bf16 operands): on CUDA the body of `mm_outside_autocast` runs one GEMM with a float32
+    result (`mm` with `out_dtype`, whose CUDA meta kernel takes it) and no float32 copies of
+    its operands."""
+    from fsdp_float8.core.gemm import _mm_outside_autocast
+
+    with fake_cuda(H200) as rules:
+        a = torch.empty(48, 32, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty(32, 64, device="cuda", dtype=torch.bfloat16)
+        before = dict(rules.calls)
+        out = _mm_outside_autocast(a, b, torch.float32)
+        new = {name: c - before.get(name, 0) for name, c in rules.calls.items()}
+    assert out.dtype == torch.float32 and tuple(out.shape) == (48, 64)
+    assert not {"_to_copy", "copy_"} & {n for n, c in new.items() if c}, new

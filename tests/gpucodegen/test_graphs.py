@@ -39,7 +39,7 @@ PINNED = {
     ("relu_mlp3", "rowwise_with_gw_hp"): ((9, 6), (6, 14)),
     ("linear_autocast", "tensorwise"): ((3, 4), (7, 6)),
     ("linear_autocast", "rowwise"): ((4, 7), (5, 9)),
-    ("linear_autocast", "rowwise_with_gw_hp"): ((3, 4), (2, 7)),
+    ("linear_autocast", "rowwise_with_gw_hp"): ((3, 3), (2, 7)),
     ("layernorm_mlp", "tensorwise"): ((8, 14), (13, 16)),
     ("layernorm_mlp", "rowwise"): ((5, 18), (5, 28)),
     ("layernorm_mlp", "rowwise_with_gw_hp"): ((6, 13), (5, 18)),
