@@ -131,3 +131,35 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))
+
+
+def gpu_path_runs(config, w: torch.Tensor, x: torch.Tensor, place, devices: str, count) -> dict:
+    """A plain float8 linear (weight `w`) run three ways on `x`: "eager"; "compiled"; and
+    "compiled here", with the CPU counted as a device of a compiled GPU-only path (`place`'s
+    `devices` tuple patched to ("cpu",)). Each run: (input grad, weight grad, `count` of the
+    forward and backward graphs AOTAutograd made, a list of GraphModules)."""
+    from unittest import mock
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fsdp_float8 import Float8Linear
+
+    results = {}
+    for run in ("eager", "compiled", "compiled here"):
+        layer = Float8Linear.from_float(nn.Linear(w.shape[1], w.shape[0], bias=False), config)
+        layer.weight.data.copy_(w)
+        xi = x.clone().requires_grad_()
+        graphs: list = []
+
+        def keep(gm, _inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm
+
+        patched = ("cpu",) if run == "compiled here" else getattr(place, devices)
+        with mock.patch.object(place, devices, patched):
+            backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+            fn = layer if run == "eager" else torch.compile(layer, backend=backend, fullgraph=True)
+            fn(xi).square().sum().backward()
+        torch._dynamo.reset()
+        results[run] = (xi.grad, layer.weight.grad, count(graphs))
+    return results

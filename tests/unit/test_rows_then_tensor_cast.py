@@ -12,13 +12,13 @@ from unittest import mock
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
-from fsdp_float8 import CastConfig, Float8Linear, Float8LinearConfig, ScalingGranularity
+from fsdp_float8 import CastConfig, Float8LinearConfig, ScalingGranularity
 from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.formats import tensorwise
 from fsdp_float8.nn.linear import cast_operand
+from tests.unit.float8_helpers import gpu_path_runs
 
 RECIPE = "rowwise_with_gw_hp"
 
@@ -73,24 +73,7 @@ def test_compiled_layer_takes_the_row_scales_with_the_same_gradients(power_of_2)
     w = _weight(torch.float32)
     torch.manual_seed(1)
     x = torch.randn(32, 64)
-    results = {}
-    for run in ("eager", "compiled", "compiled here"):
-        layer = Float8Linear.from_float(torch.nn.Linear(64, 96, bias=False), config=config)
-        layer.weight.data.copy_(w)
-        xi = x.clone().requires_grad_()
-        graphs: list = []
-
-        def keep(gm, _inputs, graphs=graphs):
-            graphs.append(gm)
-            return gm
-
-        devices = ("cpu",) if run == "compiled here" else tensorwise.ROW_SCALE_DEVICES
-        with mock.patch.object(tensorwise, "ROW_SCALE_DEVICES", devices):
-            backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
-            fn = layer if run == "eager" else torch.compile(layer, backend=backend, fullgraph=True)
-            fn(xi).square().sum().backward()
-        torch._dynamo.reset()
-        results[run] = (xi.grad, layer.weight.grad, _amax_reads_of_weight(graphs))
+    results = gpu_path_runs(config, w, x, tensorwise, "ROW_SCALE_DEVICES", _amax_reads_of_weight)
     assert results["compiled here"][2] == 0 and results["compiled"][2] > 0
     for run in ("compiled", "compiled here"):
         assert torch.equal(results[run][0], results["eager"][0])

@@ -11,14 +11,14 @@ from unittest import mock
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
-from fsdp_float8 import Float8Linear, Float8LinearConfig
+from fsdp_float8 import Float8LinearConfig
 from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.gemms import Gemm, Operand
 from fsdp_float8.formats import rowwise
 from fsdp_float8.formats.weight_operands import weight_for
 from fsdp_float8.nn.linear import cast_operand
+from tests.unit.float8_helpers import gpu_path_runs
 
 
 def _weight(dtype: torch.dtype) -> torch.Tensor:
@@ -60,24 +60,7 @@ def test_compiled_layer_takes_the_column_cast_with_the_same_gradients(power_of_2
     torch.manual_seed(1)
     w = torch.randn(96, 64) * torch.logspace(-3, 3, 64)
     x = torch.randn(32, 64)
-    results = {}
-    for run in ("eager", "compiled", "compiled here"):
-        layer = Float8Linear.from_float(torch.nn.Linear(64, 96, bias=False), config=config)
-        layer.weight.data.copy_(w)
-        xi = x.clone().requires_grad_()
-        graphs: list = []
-
-        def keep(gm, _inputs, graphs=graphs):
-            graphs.append(gm)
-            return gm
-
-        devices = ("cpu",) if run == "compiled here" else rowwise.COLUMN_CAST_DEVICES
-        with mock.patch.object(rowwise, "COLUMN_CAST_DEVICES", devices):
-            backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
-            fn = layer if run == "eager" else torch.compile(layer, backend=backend, fullgraph=True)
-            fn(xi).square().sum().backward()
-        torch._dynamo.reset()
-        results[run] = (xi.grad, layer.weight.grad, _strided_ops(graphs))
+    results = gpu_path_runs(config, w, x, rowwise, "COLUMN_CAST_DEVICES", _strided_ops)
     assert results["compiled here"][2] > 0 and results["compiled"][2] == 0
     for run in ("compiled", "compiled here"):
         assert torch.equal(results[run][0], results["eager"][0])
