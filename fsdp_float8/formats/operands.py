@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_float8.core.cast_plan import CastPlan
 from fsdp_float8.core.float8_tensor import Float8Tensor
+from fsdp_float8.core.gemms import Gemm, Operand
+from fsdp_float8.core.scaling import DynamicScaling
 
 Pair = tuple[torch.Tensor, torch.Tensor | None]
 
@@ -123,3 +126,22 @@ def attach_operands(
 def refilled(out: Float8Tensor) -> None:
     if out._operands is not None:
         out._operands.refilled()
+
+
+def plain_grad_input_cast(weight: torch.Tensor, plan: CastPlan, devices) -> DynamicScaling | None:
+    """grad_input's weight cast where a format may build a plain weight's grad_input operand
+    itself in a compiled graph (its `plain_operand`, or the layer's row-scale path): compiled
+    for one of `devices` (GPU Inductor's reductions), a 2-D high-precision weight not re-cast
+    from its rows (`CastPlan.weight_from_rows`), the cast dynamic from the weight's own amax
+    (no reduction over a group, as a tensor-parallel shard's). None otherwise."""
+    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    if (
+        torch.compiler.is_compiling()
+        and weight.device.type in devices
+        and weight.dim() == 2
+        and not plan.weight_from_rows
+        and isinstance(strategy, DynamicScaling)
+        and strategy.group is None
+    ):
+        return strategy
+    return None

@@ -38,6 +38,7 @@ from fsdp_float8.formats.operands import (
     AS_IS,
     Pair,
     attach_operands,
+    plain_grad_input_cast,
     read_here,
     refilled,
     unsharded,
@@ -178,15 +179,10 @@ def one_kernel_columns(weight: torch.Tensor, plan: CastPlan) -> bool:
     """Whether `column_cast` makes `weight`'s grad_input operand: compiled for a GPU, a 2-D
     high-precision weight (not gathered in float8, not a DTensor's shard of a reduced
     amax) whose grad_input cast is dynamic, per column, from its own amax."""
-    strategy = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
+    strategy = plain_grad_input_cast(weight, plan, COLUMN_CAST_DEVICES)
     return (
-        torch.compiler.is_compiling()
-        and weight.device.type in COLUMN_CAST_DEVICES
-        and weight.dim() == 2
-        and not plan.weight_from_rows
+        strategy is not None
         and not plan.shared(Operand.WEIGHT)
-        and isinstance(strategy, DynamicScaling)
-        and strategy.group is None
         and strategy.granularity.family is FAMILY
     )
 

@@ -40,6 +40,7 @@ from fsdp_float8.formats.operands import (
     Pair,
     attach_operands,
     column_major,
+    plain_grad_input_cast,
     read_here,
     refilled,
     unsharded,
@@ -82,21 +83,16 @@ def from_row_scales(weight: torch.Tensor, plan: CastPlan) -> bool:
     high-precision weight with rows and columns, both casts dynamic from the weight's own
     amax (no reduction over a group) with one scale rule (float8 dtype, power-of-two
     rounding), the rows not re-cast for grad_input (`CastPlan.weight_from_rows`)."""
+    columns = plain_grad_input_cast(weight, plan, ROW_SCALE_DEVICES)
     rows = plan.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
-    columns = plan.strategies[(Operand.WEIGHT, Gemm.GRAD_INPUT)]
     return (
-        torch.compiler.is_compiling()
-        and weight.device.type in ROW_SCALE_DEVICES
-        and weight.dim() == 2
+        columns is not None
         and weight.numel() > 0
-        and not plan.weight_from_rows
+        and columns.granularity.family is FAMILY
         and isinstance(rows, DynamicScaling)
-        and isinstance(columns, DynamicScaling)
         and rows.group is None
-        and columns.group is None
         and rows.granularity.per_row  # one scale per row, which broadcasts (no blocks)
         and rows.granularity.broadcast_scales
-        and columns.granularity.family is FAMILY
         and rows.power_of_2 == columns.power_of_2
         and plan.dtypes[(Operand.WEIGHT, Gemm.OUTPUT)]
         == plan.dtypes[(Operand.WEIGHT, Gemm.GRAD_INPUT)]

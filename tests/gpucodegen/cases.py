@@ -3,7 +3,6 @@ and the training step as torchtitan runs it (FSDP2 per block, each block compile
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass
 from unittest import mock
@@ -159,8 +158,8 @@ def _layers(name: str) -> nn.Module:
     if name == "attention":
         return _Attention()
     assert name == "relu_mlp3", name
-    mlp = [nn.Linear(512, 512, bias=False), nn.ReLU()] * 2 + [nn.Linear(512, 512, bias=False)]
-    return nn.Sequential(*[copy.deepcopy(m) for m in mlp])
+    relu_layers = [m for _ in range(2) for m in (nn.Linear(512, 512, bias=False), nn.ReLU())]
+    return nn.Sequential(*relu_layers, nn.Linear(512, 512, bias=False))
 
 
 @functools.cache
