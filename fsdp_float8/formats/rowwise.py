@@ -179,6 +179,8 @@ def one_kernel_columns(weight: torch.Tensor, plan: CastPlan) -> bool:
     """Whether `column_cast` makes `weight`'s grad_input operand: compiled for a GPU, a 2-D
     high-precision weight (not gathered in float8, not a DTensor's shard of a reduced
     amax) whose grad_input cast is dynamic, per column, from its own amax."""
+    if not torch.compiler.is_compiling():  # eager (every step): no call more
+        return False
     strategy = plain_grad_input_cast(weight, plan, COLUMN_CAST_DEVICES)
     return (
         strategy is not None

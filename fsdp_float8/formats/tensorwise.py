@@ -83,6 +83,8 @@ def from_row_scales(weight: torch.Tensor, plan: CastPlan) -> bool:
     high-precision weight with rows and columns, both casts dynamic from the weight's own
     amax (no reduction over a group) with one scale rule (float8 dtype, power-of-two
     rounding), the rows not re-cast for grad_input (`CastPlan.weight_from_rows`)."""
+    if not torch.compiler.is_compiling():  # eager (every step): no call more
+        return False
     columns = plain_grad_input_cast(weight, plan, ROW_SCALE_DEVICES)
     rows = plan.strategies[(Operand.WEIGHT, Gemm.OUTPUT)]
     return (
