@@ -6,8 +6,9 @@ row of a (M, 1) and per column of b (1, N) (rowwise, along the contraction dim).
 lays a out row-major and b column-major (what hardware GEMMs need), pads K and N to
 multiples of 16 when asked, and runs one of:
 - the emulation: dequantize to float32, one float32 matmul, rounded once to out_dtype;
-- CUDA `torch._scaled_mm`, which refuses what `check_gemm_supported` names (a CPU test can
-  ask for the same refusals with `cuda_gemm_rules_on_cpu`);
+- CUDA `torch._scaled_mm`; with row scales and an output that is not bfloat16 (which its
+  row-scaled kernel does not write) a unit-scale GEMM in float32 with the scales around it
+  (a CPU test takes the same route inside `cuda_gemm_rules_on_cpu`);
 - CPU `torch._scaled_mm` through one custom op, `cpu_scaled_mm`, that adapts the CUDA
   contract to what this torch's CPU kernel takes (`fsdp_float8.core._compat`).
 Block-scaled operands go to `fsdp_float8.core.blocks.block_scaled_mm`. It takes plain
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 from fsdp_float8.core import _compat
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
 from fsdp_float8.core.blocks import Block, block_scaled_mm
-from fsdp_float8.core.families import one_scale, recipes_where
 
 
 def check_gemm_scales(
@@ -195,10 +195,17 @@ def row_scaled_mm_around_unit_gemm(
     inv_a: torch.Tensor,
     inv_b: torch.Tensor,
     out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """Row-scaled float8 GEMM from a tensorwise GEMM with unit scales (see `cpu_scaled_mm`)."""
+    """Row-scaled float8 GEMM from a tensorwise GEMM with unit scales and a float32 result:
+    `inv_a * (a_data @ b_data) * inv_b`, rounded once to `out_dtype`. The scales commute
+    with the sum over K, so this is the row-scaled product, where a kernel takes no row
+    scales (CPU on torch 2.11, `cpu_scaled_mm`) or gives no `out_dtype` with them (CUDA's
+    row-scaled kernel writes bfloat16 only: a float32 or float16 layer's GEMMs)."""
     one = torch.ones((), dtype=torch.float32, device=a_data.device)
-    out = torch._scaled_mm(a_data, b_data, one, one, out_dtype=torch.float32)
+    out = torch._scaled_mm(
+        a_data, b_data, one, one, out_dtype=torch.float32, use_fast_accum=use_fast_accum
+    )
     return (out * inv_a * inv_b).to(out_dtype)
 
 
@@ -247,10 +254,15 @@ def scaled_mm_data(
         out = high_precision_mm(*dequantized, torch.float32)
         out = out.to(out_dtype)
     else:
-        # nothing to refuse: a tensorwise GEMM, or a CPU one outside `cuda_gemm_rules_on_cpu`
-        if inv_a.dim() > 0 and (a_data.is_cuda or _CUDA_RULES_ON_CPU):
-            check_gemm_supported(a_data.device.type, rowwise=True, out_dtype=out_dtype)
-        if a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
+        if (
+            inv_a.dim() > 0
+            and out_dtype != torch.bfloat16
+            and (a_data.is_cuda or _CUDA_RULES_ON_CPU)
+        ):  # CUDA's row-scaled kernel writes bfloat16 only: the scales go around the GEMM
+            out = row_scaled_mm_around_unit_gemm(
+                a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum
+            )
+        elif a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
             out = cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
         else:
             out = torch._scaled_mm(
@@ -303,29 +315,17 @@ _CUDA_RULES_ON_CPU = False
 
 @contextlib.contextmanager
 def cuda_gemm_rules_on_cpu() -> Iterator[None]:
-    """Inside, CPU float8 GEMMs (not emulated) refuse what CUDA `torch._scaled_mm` refuses
-    (`check_gemm_supported`), so a CPU test sees a call that would fail on a GPU. Off by
-    default: the CPU kernel itself takes any output dtype, and CPU runs use it in float32."""
+    """Inside, CPU float8 GEMMs (not emulated) take the route a CUDA GEMM takes where CUDA
+    `torch._scaled_mm` has a rule the CPU kernel lacks: a row-scaled GEMM whose output is
+    not bfloat16 runs as a unit-scale GEMM with the scales around it
+    (`row_scaled_mm_around_unit_gemm`), so a CPU test sees the calls a GPU gets. Off by
+    default: the CPU kernel itself takes any output dtype."""
     global _CUDA_RULES_ON_CPU
     before, _CUDA_RULES_ON_CPU = _CUDA_RULES_ON_CPU, True
     try:
         yield
     finally:
         _CUDA_RULES_ON_CPU = before
-
-
-def check_gemm_supported(device_type: str, *, rowwise: bool, out_dtype: torch.dtype) -> None:
-    """Refuse a float8 GEMM that CUDA torch._scaled_mm cannot run: row-wise scales give a
-    bfloat16 output only. Always on CUDA; on CPU inside `cuda_gemm_rules_on_cpu()`."""
-    enforced = device_type == "cuda" or (device_type == "cpu" and _CUDA_RULES_ON_CPU)
-    if enforced and rowwise and out_dtype != torch.bfloat16:
-        raise ValueError(
-            f"a rowwise-scaled float8 GEMM on CUDA asks for a {out_dtype} output, but "
-            "torch._scaled_mm with row-wise scales produces bfloat16 only; train with "
-            "bfloat16 parameters and activations (FSDP2 MixedPrecisionPolicy(param_dtype="
-            "torch.bfloat16), torch.autocast, or model.to(torch.bfloat16)), or use the "
-            f"{recipes_where(one_scale)} recipe, or Float8LinearConfig(emulate=True)"
-        )
 
 
 def check_float8_gemm_device(device: torch.device, *, emulate: bool) -> None:

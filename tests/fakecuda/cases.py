@@ -34,7 +34,8 @@ def run_linear(
         x = torch.randn(*tokens, in_f, dtype=dtype, requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         out = layer(x)
-    assert out.shape == (*tokens, out_f) and out.dtype == torch.bfloat16, (out.shape, out.dtype)
+    want = torch.bfloat16 if autocast else dtype
+    assert out.shape == (*tokens, out_f) and out.dtype == want, (out.shape, out.dtype)
     backward(out.float().square().sum())
     assert x.grad.shape == x.shape and x.grad.dtype == dtype
     assert layer.weight.grad.shape == (out_f, in_f) and layer.weight.grad.dtype == dtype

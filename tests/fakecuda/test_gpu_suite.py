@@ -26,10 +26,14 @@ CASES = [
         for t in (1, 5, 33, 100)
         for d in ((256, 128), (32, 2))
     ],
-    (test_cuda_contract.test_rowwise_float32_output_is_refused_on_cuda, {}),
+    *[
+        (test_cuda_contract.test_rowwise_float32_layer_runs_in_float32, {"recipe": r})
+        for r in ("rowwise", "rowwise_with_gw_hp")
+    ],
     *[
         (test_cuda_contract.test_fsdp_one_nccl_rank_matches_unsharded, {"recipe": r, "dtype": d})
         for r, d in (("tensorwise", torch.float32), ("rowwise", torch.bfloat16))
+        + (("rowwise", torch.float32),)
     ],
 ]
 

@@ -68,12 +68,15 @@ def test_linear_tensorwise_variants(overrides):
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
-def test_rowwise_float32_activations_are_refused_with_a_remedy(recipe):
-    # the row-wise kernel gives bf16 only: an fp32 model without autocast is refused by the
-    # library (before the kernel), naming bf16 parameters, autocast and 'tensorwise'
+@pytest.mark.parametrize("dev", ["sm90", "sm100"])
+def test_rowwise_float32_layers_run_their_gemms_with_unit_scales(recipe, dev):
+    # the row-scaled kernel writes bf16 only: a float32 layer without autocast runs its
+    # row-scaled GEMMs as unit-scale GEMMs with a float32 output, the scales around them
+    # (a rule broken fails naming it); outputs and gradients in float32
     config = Float8LinearConfig.from_recipe_name(recipe)
-    with fake_cuda(H200), pytest.raises(ValueError, match="bfloat16 only"):
+    with fake_cuda(DEVICES[recipe][dev]) as rules:
         run_linear(config, (256, 128), (32,), "fp32")
+    assert float8_gemm_calls(rules.calls) == FLOAT8_GEMM_COUNT.get(recipe, 3)
 
 
 def test_mxfp8_on_sm90_is_refused_with_a_remedy():

@@ -3,7 +3,8 @@
 - forward and backward through the real `torch._scaled_mm` with token counts that are
   not multiples of 16 (and a `Linear(32, 2)` head with `pad_inner_dim=True`), against the
   float32 emulation of the same casts;
-- a rowwise GEMM asking for a float32 output is refused with the remedy;
+- a float32 rowwise layer (whose GEMMs ask for float32, which the row-scaled kernel does
+  not write) runs in float32 with the emulation's numbers;
 - FSDP2 on one NCCL rank (shard size 1: FSDP2 skips the all-gather) with float8
   all-gather trains with the same losses as the unsharded model on the same GPU.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -68,12 +70,24 @@ def test_real_scaled_mm_fwd_bwd_with_odd_token_counts(recipe, tokens, dims):
             assert sqnr_db(r.float(), a.float()) >= SQNR_DB[bar], bar
 
 
-def test_rowwise_float32_output_is_refused_on_cuda():
-    layer = Float8Linear.from_float(
-        nn.Linear(64, 64, bias=False, device="cuda"), Float8LinearConfig.rowwise()
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_float32_layer_runs_in_float32(recipe):
+    # the row-scaled kernel writes bf16 only: a float32 layer's row-scaled GEMMs run with
+    # unit scales and a float32 output, the scales around them: the emulation's numbers
+    torch.manual_seed(0)
+    ref = nn.Linear(64, 64, bias=False, device="cuda")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layer = Float8Linear.from_float(nn.Linear(64, 64, bias=False, device="cuda"), config)
+    emulated = Float8Linear.from_float(
+        nn.Linear(64, 64, bias=False, device="cuda"), dataclasses.replace(config, emulate=True)
     )
-    with pytest.raises(ValueError, match="bfloat16 only"):
-        layer(torch.randn(16, 64, device="cuda"))
+    for m in (layer, emulated):
+        m.load_state_dict(ref.state_dict())
+    x = torch.randn(16, 64, device="cuda")
+    out, want, exact = layer(x), emulated(x), ref(x)
+    assert out.dtype == torch.float32
+    assert sqnr_db(want, out) >= SQNR_DB["real_vs_emulated"]
+    assert sqnr_db(exact, out) >= SQNR_DB["linear_output"]
 
 
 def _train(model: nn.Module, steps: int, dtype: torch.dtype) -> list[float]:

@@ -112,16 +112,19 @@ def block(gpu: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
     return _result(log)
 
 
-# small graphs of nn.Linear layers, beside the block: (layers, input shape, autocast)
+# small graphs of nn.Linear layers, beside the block: (layers, input shape, parameters:
+# bf16, fp32, or fp32 under bf16 autocast)
 GRAPHS = {
-    "linear": ("linear", (4, 512, 1024), False),
-    "linear_bias": ("linear_bias", (4, 512, 1024), False),
-    "gelu_mlp": ("gelu_mlp", (2048, 1024), False),
-    "relu_mlp3": ("relu_mlp3", (8, 256, 512), False),
+    "linear": ("linear", (4, 512, 1024), "bf16"),
+    "linear_bias": ("linear_bias", (4, 512, 1024), "bf16"),
+    "gelu_mlp": ("gelu_mlp", (2048, 1024), "bf16"),
+    "relu_mlp3": ("relu_mlp3", (8, 256, 512), "bf16"),
     # float32 parameters under bf16 autocast (the layer casts its input to bf16)
-    "linear_autocast": ("linear", (4, 512, 1024), True),
-    "layernorm_mlp": ("layernorm_mlp", (2048, 1024), False),
-    "attention": ("attention", (4, 512, 1024), False),
+    "linear_autocast": ("linear", (4, 512, 1024), "fp32_autocast"),
+    # float32 parameters, no autocast: float32 outputs (rowwise: unit-scale GEMMs)
+    "linear_fp32": ("linear", (4, 512, 1024), "fp32"),
+    "layernorm_mlp": ("layernorm_mlp", (2048, 1024), "bf16"),
+    "attention": ("attention", (4, 512, 1024), "bf16"),
 }
 
 
@@ -166,8 +169,9 @@ def _layers(name: str) -> nn.Module:
 def graph(kind: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
     """One of `GRAPHS`, float8 per `recipe` (`lib` "torchao": torchao's conversion),
     compiled for H100: forward + backward."""
-    layers, shape, autocast = GRAPHS[kind]
-    dtype = torch.float32 if autocast else torch.bfloat16
+    layers, shape, params = GRAPHS[kind]
+    dtype = torch.bfloat16 if params == "bf16" else torch.float32
+    autocast = params == "fp32_autocast"
     with gpu_codegen("h100", cubin=False) as log:
         with torch.device("meta"):
             model = _layers(layers).to(dtype)

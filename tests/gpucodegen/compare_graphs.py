@@ -1,5 +1,5 @@
 """The lane's small graphs of linear layers (`cases.GRAPHS`: one linear, with a bias, a
-GELU MLP, a 3-layer ReLU MLP, a float32 linear under bf16 autocast, LayerNorm and a biased
+GELU MLP, a 3-layer ReLU MLP, a float32 linear under bf16 autocast and without it, LayerNorm and a biased
 GELU MLP, causal attention around SDPA) for this library and
 for torchao 0.18, side by side: Triton launches and non-GEMM MB, forward + backward, H100.
 torchao is no dependency of the lane; put it on the path:

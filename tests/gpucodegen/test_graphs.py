@@ -1,6 +1,6 @@
 """GPU codegen (H100) of small graphs of linear layers (`cases.GRAPHS`: one linear, with a
-bias, a GELU MLP, a 3-layer ReLU MLP, a float32 linear under bf16 autocast, LayerNorm and a
-biased GELU MLP, causal attention around SDPA) per recipe: one
+bias, a GELU MLP, a 3-layer ReLU MLP, a float32 linear under bf16 autocast and without it,
+LayerNorm and a biased GELU MLP, causal attention around SDPA) per recipe: one
 forward and one backward graph, the scaled GEMMs each linear calls, no host sync, and the
 Triton launches pinned beside torchao 0.18's on the same graphs
 (`python -m tests.gpucodegen.compare_graphs`, docs/results.md): at most 0.8x for
@@ -20,6 +20,7 @@ LINEARS = {
     "gelu_mlp": 2,
     "relu_mlp3": 3,
     "linear_autocast": 1,
+    "linear_fp32": 1,
     "layernorm_mlp": 2,
     "attention": 4,
 }
@@ -40,6 +41,9 @@ PINNED = {
     ("linear_autocast", "tensorwise"): ((3, 4), (7, 6)),
     ("linear_autocast", "rowwise"): ((4, 7), (5, 9)),
     ("linear_autocast", "rowwise_with_gw_hp"): ((3, 3), (2, 7)),
+    ("linear_fp32", "tensorwise"): ((3, 3), (7, 4)),
+    ("linear_fp32", "rowwise"): ((6, 6), (6, 9)),
+    ("linear_fp32", "rowwise_with_gw_hp"): ((5, 3), (3, 6)),
     ("layernorm_mlp", "tensorwise"): ((8, 14), (13, 16)),
     ("layernorm_mlp", "rowwise"): ((5, 18), (5, 28)),
     ("layernorm_mlp", "rowwise_with_gw_hp"): ((6, 13), (5, 18)),
@@ -50,9 +54,13 @@ PINNED = {
 # launches at most this share of torchao's: the targets (tensorwise, rowwise) 0.8x; the
 # recipe beside them 0.85x (its one-scale weight casts cost a small kernel each)
 MOST = {"tensorwise": 0.8, "rowwise": 0.8, "rowwise_with_gw_hp": 0.85}
+# a float32 layer's row-scaled GEMMs run with unit scales and a float32 output (CUDA's
+# row-scaled kernel writes bf16 only): one fill kernel per graph for the unit scale and a
+# scaling pass per GEMM output, where torchao casts a bf16 output up
+MOST_OF_GRAPH = {("linear_fp32", "rowwise_with_gw_hp"): 0.9}
 
 
-@pytest.mark.parametrize("kind, recipe", list(PINNED), ids="-".join)
+@pytest.mark.parametrize("kind, recipe", list(PINNED), ids=[f"{k}-{r}" for k, r in PINNED])
 def test_graph(kind, recipe):
     compiled = cases.graph(kind, recipe)
     assert compiled.graph_breaks == 0 and compiled.dynamo_graphs == 1
@@ -71,4 +79,4 @@ def test_graph(kind, recipe):
         assert bwd_gemms == {"_scaled_mm": 2 * n}, bwd.gemms
     ours, torchao = PINNED[(kind, recipe)]
     assert (fwd.triton, bwd.triton) == ours
-    assert sum(ours) <= MOST[recipe] * sum(torchao)
+    assert sum(ours) <= MOST_OF_GRAPH.get((kind, recipe), MOST[recipe]) * sum(torchao)

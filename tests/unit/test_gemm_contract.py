@@ -4,8 +4,9 @@
   not, so a stand-in `torch._scaled_mm` that enforces the CUDA shape and layout rules runs a
   `Linear(32, 2)` head (and other odd shapes) with `pad_inner_dim=True`: outputs and
   gradients keep their shapes and the float8 SQNR bars.
-- Rowwise GEMMs with a non-bf16 output are refused on CUDA with a remedy, and on CPU
-  inside `cuda_gemm_rules_on_cpu()`; float32 weights under autocast never ask for one.
+- Row-scaled GEMMs with a non-bf16 output (a float32 layer's) run as unit-scale GEMMs
+  with the scales around them, as on CUDA, whose row-scaled kernel writes bf16 only
+  (on CPU inside `cuda_gemm_rules_on_cpu()`).
 - A CUDA device below compute capability 8.9 is refused at convert time, naming
   `emulate=True`.
 - FSDP2 CPU offload with float8 all-gather is refused at the first all-gather.
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +23,7 @@ from torch import nn
 
 from fsdp_float8 import Float8Linear, Float8LinearConfig, convert_to_float8_training, sqnr_db
 from fsdp_float8.core._compat import cpu_scaled_mm_takes_row_scales
-from fsdp_float8.core.gemm import check_gemm_supported, cuda_gemm_rules_on_cpu
+from fsdp_float8.core.gemm import cuda_gemm_rules_on_cpu
 from fsdp_float8.core.numerics import SQNR_DB
 
 _real_scaled_mm = torch._scaled_mm
@@ -57,39 +59,45 @@ def test_pad_inner_dim_pads_k_and_n_for_the_cuda_contract(monkeypatch, recipe, d
     assert sqnr_db(ref.weight.grad, layer.weight.grad) >= SQNR_DB["linear_grad_weight"]
 
 
-def test_rowwise_gemm_with_float32_output_is_refused_on_cuda():
-    with pytest.raises(ValueError, match="bfloat16 only") as info:
-        check_gemm_supported("cuda", rowwise=True, out_dtype=torch.float32)
-    assert "tensorwise" in str(info.value) and "MixedPrecisionPolicy" in str(info.value)
-    check_gemm_supported("cuda", rowwise=True, out_dtype=torch.bfloat16)
-    check_gemm_supported("cuda", rowwise=False, out_dtype=torch.float32)
-    check_gemm_supported("cpu", rowwise=True, out_dtype=torch.float32)
-    with cuda_gemm_rules_on_cpu(), pytest.raises(ValueError, match="bfloat16 only"):
-        check_gemm_supported("cpu", rowwise=True, out_dtype=torch.float32)
+def _cuda_output_rule_scaled_mm(a, b, scale_a, scale_b, **kwargs):
+    # CUDA's row-scaled kernel writes bfloat16 only (float16 too on some builds: not asked)
+    if scale_a.dim() or scale_b.dim():
+        assert kwargs.get("out_dtype") == torch.bfloat16, ("row scales", kwargs.get("out_dtype"))
+    return _real_scaled_mm(a, b, scale_a, scale_b, **kwargs)
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
-def test_float32_weights_under_autocast_keep_the_cuda_output_rule(recipe):
-    # all three GEMMs of an fp32-weight layer under bf16 autocast must ask for a dtype the
-    # row-wise CUDA kernel gives (bf16); grad_weight used to ask for the weight's fp32
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "fp32_autocast"])
+def test_float32_layers_keep_the_cuda_output_rule(monkeypatch, recipe, autocast):
+    # a float32 layer's row-scaled GEMMs (all three without autocast; grad_weight with it)
+    # ask for float32, which CUDA's row-scaled kernel does not write: they run as unit-scale
+    # GEMMs with the scales around them, in float32, and give the layer's dtypes
+    cpu_scaled_mm_takes_row_scales()  # its one-off probe GEMM is not the layer's
+    monkeypatch.setattr(torch, "_scaled_mm", _cuda_output_rule_scaled_mm)
     torch.manual_seed(0)
-    ref = nn.Linear(64, 32, bias=False)
-    layer = Float8Linear.from_float(
-        nn.Linear(64, 32, bias=False), Float8LinearConfig.from_recipe_name(recipe)
-    )
-    layer.weight = nn.Parameter(ref.weight.detach().clone())
+    ref = nn.Linear(64, 32)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layer = Float8Linear.from_float(nn.Linear(64, 32), config)
+    emulated = Float8Linear.from_float(nn.Linear(64, 32), replace(config, emulate=True))
+    for m in (layer, emulated):
+        m.load_state_dict(ref.state_dict())
     x = torch.randn(48, 64)
-    grad = torch.randn(48, 32, dtype=torch.bfloat16)
-    with cuda_gemm_rules_on_cpu():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = layer(x)
-            out.backward(grad)
-        with pytest.raises(ValueError, match="bfloat16 only"):  # the rule is on: fp32 refused
-            layer(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref(x).backward(grad)
-    assert out.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.float32
-    assert sqnr_db(ref.weight.grad, layer.weight.grad) >= SQNR_DB["linear_grad_weight"]
+    grad = torch.randn(48, 32)
+    outs, weight_grads = [], []
+    for m in (layer, emulated, ref):
+        with cuda_gemm_rules_on_cpu(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = m(x)
+            out.backward(grad.to(out.dtype))
+        outs.append(out.float())
+        weight_grads.append(m.weight.grad)
+    assert outs[0].dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+    assert (out.dtype == torch.bfloat16) == autocast
+    assert sqnr_db(outs[2], outs[0]) >= SQNR_DB["linear_output"]
+    assert sqnr_db(weight_grads[2], weight_grads[0]) >= SQNR_DB["linear_grad_weight"]
+    # the same float8 operands as the emulation: equal to float32 rounding (bf16 rounding
+    # of the output under autocast)
+    bar = SQNR_DB["real_vs_emulated"]
+    assert sqnr_db(outs[1], outs[0]) >= bar and sqnr_db(weight_grads[1], weight_grads[0]) >= bar
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6)])
