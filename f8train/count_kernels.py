@@ -44,7 +44,7 @@ from f8train.bench_common import (
 from f8train.bench_fsdp import AG, PRESETS, build, convert, train_step
 from f8train.model import FeedForward
 from f8train.rank_exit import exit_rank
-from fsdp_float8 import convert_to_float8_training
+from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -199,9 +199,13 @@ def markdown(compiled: dict, eager: dict) -> str:
 
 
 GPU_RECIPES = {
-    "h100": ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"),
-    "b200": ("tensorwise", "rowwise", "mxfp8", "nvfp4"),
+    "h100": ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"),
+    "b200": ("tensorwise", "delayed", "rowwise", "mxfp8", "nvfp4"),
 }
+# "delayed": tensorwise with delayed scaling of input, weight and grad_output, as a run
+# compiles it from the step after its first sync (`gpu_codegen.as_after_first_sync`);
+# compared with torchao's tensorwise (torchao 0.18 has no delayed scaling)
+DELAYED = "delayed"
 GPU_SHAPES = {  # one SwiGLU block: dim, hidden, tokens
     "small": (256, 768, 2048),
     "llama3_8b": (4096, 14336, 8192),
@@ -248,11 +252,21 @@ def gpu_block_counts(gpu: str, lib: str, recipe: str, shape: str, cubin: bool = 
             model = model.to(torch.bfloat16)
         if recipe == "nvfp4":
             convert_to_float8_training(model, config=NVFP4Config())
+        elif recipe == DELAYED:
+            delayed = CastConfig(scaling_type="delayed")
+            config = Float8LinearConfig(
+                cast_config_input=delayed,
+                cast_config_weight=delayed,
+                cast_config_grad_output=delayed,
+            )
+            convert_to_float8_training(model, config=config)
         elif recipe != "bf16":
             convert(model, lib, recipe, module_filter_fn=None)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = model.to_empty(device="cuda")
             x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if recipe == DELAYED:
+            gc.as_after_first_sync(model)
         torch.compile(model, backend=gc.codegen_backend(log), fullgraph=True)(x)
     graphs = {g.kind: g for g in gc.summaries(log)}
     if len(log.dynamo_graphs) != 1 or set(graphs) != {"forward", "backward"}:
@@ -303,7 +317,8 @@ def gpu_markdown(gpu: str, results: dict) -> str:
             continue
         shape = label.split(" ", 1)[0]
         base = results.get(f"{shape} bf16", {}).get("roofline_s")
-        theirs = results.get(label.replace("fsdp_float8 ", "torchao ", 1), {})
+        ao_label = label.replace("fsdp_float8 ", "torchao ", 1)
+        theirs = results.get(ao_label.replace(f"torchao {DELAYED}", "torchao tensorwise"), {})
         vs = "-"
         if label.startswith(f"{shape} fsdp_float8 ") and "triton_fwd" in theirs:
             ours_n, ao_n = (

@@ -446,6 +446,18 @@ OWN_GEMMS = {"mm_outside_autocast": "mm"}
 HOST_SYNCS = ("_local_scalar_dense", ".item()", ".cpu()", ".tolist()", "device(type='cpu')")
 
 
+def as_after_first_sync(model: torch.nn.Module) -> int:
+    """Mark every delayed-scaling operand of `model` synced on the host, as a training run
+    has it from the step after its first sync (`DelayedState.ready`, set there from a read
+    of the device flags; a fake tensor has no value to read). Returns how many layers."""
+    from fsdp_float8.core.delayed_state import DelayedScalingState
+
+    layers = [m for m in model.modules() if isinstance(m, DelayedScalingState)]
+    for state in layers:
+        state.mark_ready(list(state.operands), [True] * len(state.operands), state.epoch)
+    return len(layers)
+
+
 def call_body(src: str) -> str:
     """The body of a wrapper module's `call()`: every launch, in order."""
     match = _CALL.search(src) or _CALL_FN.search(src)

@@ -99,6 +99,10 @@ class DelayedState(NamedTuple):
     scale: torch.Tensor  # () float32: the scale used until the next sync
     initialized: torch.Tensor  # () bool: a sync has happened
     nonfinite: torch.Tensor | None = None  # () float32: non-finite amaxes left out
+    # host: the host knows `initialized` holds (read after a sync, without a device wait):
+    # the cast takes `scale` as it is, so it joins the kernel that reads its tensor
+    ready: bool = False
+    inverse: torch.Tensor | None = None  # () float32: 1 / scale, made with it
 
     def record(self, amax: torch.Tensor) -> None:
         """Keep the max of the amaxes seen since the last sync. A non-finite amax (a batch
@@ -127,6 +131,8 @@ class DelayedState(NamedTuple):
         where = torch.as_tensor(where, device=history.device) & torch.isfinite(amax)
         self.amax_history.copy_(torch.where(where, history, self.amax_history))
         self.scale.copy_(torch.where(where, scale, self.scale))
+        if self.inverse is not None:
+            self.inverse.copy_(self.scale.reciprocal())
         self.initialized.copy_(self.initialized | where)
         self.amax.zero_()
 
@@ -154,6 +160,9 @@ class DelayedScalingState(nn.Module):
             history = torch.zeros(n, dtype=f32, device=device)
             self.register_buffer(f"fp8_amax_history_{op.value}", history)
             self.register_buffer(f"fp8_scale_{op.value}", torch.ones((), dtype=f32, device=device))
+            # 1 / scale, kept with it (not saved: remade from the scale at load)
+            inverse = torch.ones((), dtype=f32, device=device)
+            self.register_buffer(f"fp8_inverse_{op.value}", inverse, persistent=False)
             init = torch.zeros((), dtype=torch.bool, device=device)
             self.register_buffer(f"fp8_initialized_{op.value}", init)
             nonfinite = torch.zeros((), dtype=f32, device=device)  # not saved: a diagnostic
@@ -161,6 +170,11 @@ class DelayedScalingState(nn.Module):
         forwards = torch.zeros((), dtype=f32, device=device)
         self.register_buffer("fp8_forwards", forwards, persistent=False)
         self.weight_ready = False  # host mirror of fp8_initialized_weight (no device read)
+        # operands whose `fp8_initialized_<op>` the host has read True (after a sync, from a
+        # non-blocking copy: `fsdp_float8.fsdp.refresh`); `epoch` counts resets and loads,
+        # so a read that a reset overtook is dropped
+        self.ready_ops: frozenset[Operand] = frozenset()
+        self.epoch = 0
         self.syncs = 0  # how many syncs so far
         self.sync_group = None  # an explicit reduction group, remembered from a sync call
         self.register_load_state_dict_post_hook(_refresh_host_flags)
@@ -174,7 +188,9 @@ class DelayedScalingState(nn.Module):
     def view(self, op: Operand) -> DelayedState:
         amax, history, scale, initialized = (getattr(self, f"fp8_{k}_{op.value}") for k in _KINDS)
         nonfinite = getattr(self, f"fp8_nonfinite_{op.value}")
-        return DelayedState(amax, history, scale, initialized, nonfinite)
+        inverse = getattr(self, f"fp8_inverse_{op.value}")
+        ready = op in self.ready_ops
+        return DelayedState(amax, history, scale, initialized, nonfinite, ready, inverse)
 
     @property
     def ready(self) -> bool:
@@ -202,7 +218,13 @@ class DelayedScalingState(nn.Module):
         it gives exactly the layer's scale and records into the copy only."""
         if op not in self.operands:
             return None
-        return DelayedState(*(t.clone() for t in self.view(op) if t is not None))
+        state = self.view(op)
+        nonfinite = None if state.nonfinite is None else state.nonfinite.clone()
+        amax, history, scale, initialized = (
+            t.clone() for t in (state.amax, state.amax_history, state.scale, state.initialized)
+        )
+        inverse = None if state.inverse is None else state.inverse.clone()
+        return DelayedState(amax, history, scale, initialized, nonfinite, state.ready, inverse)
 
     def weight_scale(self, shard: torch.Tensor, mesh: Group) -> torch.Tensor:
         """The scale source of a delayed float8-gathered weight: records the local shard's
@@ -248,6 +270,16 @@ class DelayedScalingState(nn.Module):
         self.weight_ready = Operand.WEIGHT in self.operands
         self.syncs += 1
 
+    def unready(self) -> list[Operand]:
+        """The delayed operands whose synced scale the host has not seen yet."""
+        return [op for op in self.operands if op not in self.ready_ops]
+
+    def mark_ready(self, ops: list[Operand], flags: list[bool], epoch: int) -> None:
+        """The host read of `fp8_initialized_<op>` for `ops` (made at `epoch`): each True
+        one is ready from now on (a compiled forward recompiles once for it)."""
+        if epoch == self.epoch:
+            self.ready_ops |= {op for op, flag in zip(ops, flags, strict=True) if flag}
+
     def use_group(self, group) -> None:
         """Reduce over `group` from now on (instead of the weight's FSDP2 mesh)."""
         self.sync_group = group
@@ -260,11 +292,15 @@ class DelayedScalingState(nn.Module):
             state.amax.zero_()
             state.amax_history.zero_()
             state.scale.fill_(1.0)
+            if state.inverse is not None:
+                state.inverse.fill_(1.0)
             state.initialized.fill_(False)
             if state.nonfinite is not None:
                 state.nonfinite.zero_()
         self.fp8_forwards.zero_()
         self.weight_ready = False
+        self.ready_ops = frozenset()
+        self.epoch += 1
 
     def _apply(self, fn, recurse=True):
         # dtype-stable: take the device move from fn, keep the float32 values (a round trip
@@ -289,6 +325,13 @@ def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
     # one host read at load time, so no forward and no all-gather hook reads a device flag
     flags = {op: bool(state.view(op).initialized) for op in state.operands}
     state.weight_ready = flags.get(Operand.WEIGHT, False)
+    state.epoch += 1
+    state.ready_ops = frozenset(op for op, flag in flags.items() if flag)
+    with torch.no_grad():
+        for op in state.operands:
+            view = state.view(op)
+            if view.inverse is not None:
+                view.inverse.copy_(view.scale.reciprocal())
 
 
 def nonfinite_amaxes(model: nn.Module) -> dict[str, int]:

@@ -141,6 +141,19 @@ def tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
 _MAX_GROUPS = 8192  # see `stacked_scales`
 
 
+def rows_then_tensor_amax(hp: torch.Tensor) -> torch.Tensor:
+    """`tensor_amax` (0-d float32) as the max of each row's max |x| (exact: max is
+    associative). A cast that does not wait for this amax (a synced delayed scale) reads
+    the same values over the same rows, so compiled for a GPU the row maxes join the cast's
+    kernel: one pass over the tensor, then a small reduction of the row maxes. (Groups of
+    rows, as `stacked_scales` reduces, would leave fewer maxes, but Inductor does not fuse
+    a reduction over groups with the cast's loop.)"""
+    hp = hp.detach()
+    if hp.dim() < 2 or hp.numel() == 0:
+        return tensor_amax(hp)
+    return hp.abs().amax(dim=-1).amax().to(torch.float32)
+
+
 def stacked_scales(
     both: torch.Tensor, m: int, float8_dtype: torch.dtype, *, power_of_2: tuple[bool, bool]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,7 +445,9 @@ class DynamicScaling:
 class DelayedScaling:
     """Tensorwise only. The scale comes from the layer's `DelayedState` (its buffers and
     history live in `fsdp_float8.core.delayed_state`); the current amax is recorded there for the
-    next sync. Before the first sync the operand is scaled by its own amax."""
+    next sync. Before the first sync the operand is scaled by its own amax, chosen on the
+    device (`initialized`); once the host knows the sync happened (`DelayedState.ready`)
+    the synced scale is taken as it is, so the cast does not wait for its tensor's amax."""
 
     history_len: int = 16
     scale_fn_name: str = "max"
@@ -443,8 +458,10 @@ class DelayedScaling:
     def scale(self, hp, dim, float8_dtype, state=None):
         if state is None:
             raise ValueError("delayed scaling needs the layer's DelayedState; got None")
-        amax = self.granularity.amax(hp.detach(), dim)
+        amax = rows_then_tensor_amax(hp)
         state.record(amax)
+        if state.ready:  # synced, as the host knows: the cast waits for no amax of hp's
+            return state.scale  # the buffer itself: its inverse was made with it
         fresh = self.scale_from_amax(amax, float8_dtype)
         return torch.where(state.initialized, state.scale, fresh)
 

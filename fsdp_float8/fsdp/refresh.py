@@ -23,8 +23,9 @@ What is stale is decided by the caller (`fsdp_float8.fsdp.step`), on the host.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -257,31 +258,52 @@ def _apply_delayed(units: list[Unit], states: list[int], table: torch.Tensor) ->
         amaxes = {op: table[k, i] for k, op in enumerate(_SLOTS) if op in state.operands}
         state.apply_reduced(amaxes, ran_min[i] > 0)
     if states:  # units that are not synced hold zeros on every rank: never mixed
-        _check_ran_everywhere([u.layer for u in units], ran_max != ran_min)
+        names = [u.layer for u in units]
+        _read_later(ran_max != ran_min, functools.partial(_raise_if_mixed, names))
+        _read_ready_flags([s for i in states if (s := units[i].state) is not None])
 
 
-# rank -> its (event, flags, names) not read yet: per rank, so ranks that share a process
+def _read_ready_flags(states: list[DelayedScalingState]) -> None:
+    """Queue a host read of the `initialized` flags the host has not seen True yet; each
+    that reads True makes its operand `ready` (`DelayedScalingState.mark_ready`): its cast
+    then takes the synced scale without waiting for its own amax."""
+    waiting = [(state, state.unready(), state.epoch) for state in states if state.unready()]
+    if not waiting:
+        return
+    flags = torch.stack([state.view(op).initialized for state, ops, _ in waiting for op in ops])
+
+    def mark(values: list[bool]) -> None:
+        at = 0
+        for state, ops, epoch in waiting:
+            state.mark_ready(ops, values[at : at + len(ops)], epoch)
+            at += len(ops)
+
+    _read_later(flags, mark)
+
+
+# rank -> its (event, flags, reader) not read yet: per rank, so ranks that share a process
 # (torch's threaded test process group) each read their own
-_pending_checks: dict[int, list[tuple[torch.Event, torch.Tensor, list[str]]]] = {}
+_pending_checks: dict[int, list[tuple[torch.Event, torch.Tensor, Callable]]] = {}
 
 
-def _pending() -> list[tuple[torch.Event, torch.Tensor, list[str]]]:
+def _pending() -> list[tuple[torch.Event, torch.Tensor, Callable]]:
     rank = dist.get_rank() if dist.is_initialized() else -1
     return _pending_checks.setdefault(rank, [])
 
 
-def _check_ran_everywhere(names: list[str], mixed: torch.Tensor) -> None:
-    """Every rank holds the same reduced flags, so every rank raises. Read without a device
-    sync: on CPU now (`tolist` is a plain read), on an accelerator through a non-blocking
-    copy that a later refresh reads once it has landed (the error comes a step late)."""
-    if mixed.device.type == "cpu":
-        _raise_if_mixed(names, mixed.tolist())
+def _read_later(flags: torch.Tensor, reader: Callable[[list[bool]], None]) -> None:
+    """Hand `flags` (bool, on the device) to `reader` as a list without a device sync: on
+    CPU now (`tolist` is a plain read), on an accelerator through a non-blocking copy that
+    a later refresh reads once it has landed (a step late). Every rank holds the same
+    reduced flags, so every rank reads alike."""
+    if flags.device.type == "cpu":
+        reader(flags.tolist())
         return
-    host = torch.empty(mixed.shape, dtype=torch.bool, pin_memory=True)
-    host.copy_(mixed, non_blocking=True)
-    event = torch.Event(mixed.device)
+    host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    event = torch.Event(flags.device)
     event.record()
-    _pending().append((event, host, names))
+    _pending().append((event, host, reader))
 
 
 def read_pending_checks() -> None:
@@ -289,8 +311,8 @@ def read_pending_checks() -> None:
         return
     pending = _pending()
     while pending and pending[0][0].query():
-        _, host, names = pending.pop(0)
-        _raise_if_mixed(names, host.tolist())
+        _, host, reader = pending.pop(0)
+        reader(host.tolist())
 
 
 def _raise_if_mixed(names: list[str], mixed: list[bool]) -> None:

@@ -72,22 +72,28 @@ def _t(pair: Pair) -> Pair:
     return data.t(), (scale.t() if scale is not None and scale.dim() == 2 else scale)
 
 
-def _inverse_of(scale: torch.Tensor | None) -> torch.Tensor | None:
+def _inverse_of(scale: torch.Tensor | None, states: dict) -> torch.Tensor | None:
     """`1 / scale` of a 0-d (tensorwise) scale, what `torch._scaled_mm` takes; None for any
     other scale (the GEMM divides those itself). Computed once per operand cast: the inverse
     travels beside its cast through forward and backward (x's serves output and
-    grad_weight, grad_output's grad_input and grad_weight)."""
-    return scale.reciprocal() if scale is not None and scale.dim() == 0 else None
+    grad_weight, grad_output's grad_input and grad_weight). A synced delayed scale (the
+    state's own buffer, `DelayedState.ready`) has its inverse made at the sync: no op."""
+    if scale is None or scale.dim() != 0:
+        return None
+    for state in states.values():
+        if state.ready and scale is state.scale:
+            return state.inverse
+    return scale.reciprocal()
 
 
-def _weight_inverse(weight, scale: torch.Tensor | None) -> torch.Tensor | None:
+def _weight_inverse(weight, scale: torch.Tensor | None, states: dict) -> torch.Tensor | None:
     """The inverse of a weight operand's scale: a gathered tensorwise or rowwise weight
     brought its own with the all-gather (`Float8Tensor._inverse`, a graph input when
     compiled), so no op per GEMM; else `_inverse_of`."""
     inverse = weight._inverse if isinstance(weight, Float8Tensor) else None
     if inverse is not None and scale is weight._scale:  # the gathered scale itself
         return inverse
-    return _inverse_of(scale)
+    return _inverse_of(scale, states)
 
 
 Inverses = tuple[torch.Tensor | None, torch.Tensor | None]
@@ -182,8 +188,8 @@ class _Float8LinearFn(torch.autograd.Function):
                 saved_x = cast_operand(x2, Operand.INPUT, Gemm.GRAD_WEIGHT, plan, states)
         w_fp8 = joint.w if joint is not None else _weight_for(weight, Gemm.OUTPUT, plan, states)
         if x_inv is None:
-            x_inv = _inverse_of(x_fp8[1])
-        w_inv = _weight_inverse(weight, w_fp8[1])
+            x_inv = _inverse_of(x_fp8[1], states)
+        w_inv = _weight_inverse(weight, w_fp8[1], states)
         out = _gemm(x_fp8, _t(w_fp8), Gemm.OUTPUT, plan, x.dtype, (x_inv, w_inv))
         # the forward's scales (0-d or tiny) let backward re-cast a shared tensorwise cast
         # without another amax pass, and without recording delayed amaxes twice
@@ -221,9 +227,9 @@ class _Float8LinearFn(torch.autograd.Function):
             w_gi = _weight_for(weight, Gemm.GRAD_INPUT, plan, states)
         else:
             w_gi = _recast(weight, w_scale, Operand.WEIGHT, plan)
-        go_inv = _inverse_of(go_fp8[1])
+        go_inv = _inverse_of(go_fp8[1], states)
         if w_inv is None:
-            w_inv = _weight_inverse(weight, w_gi[1])
+            w_inv = _weight_inverse(weight, w_gi[1], states)
         grad_x = _gemm(go_fp8, w_gi, Gemm.GRAD_INPUT, plan, grad_out.dtype, (go_inv, w_inv))
         if plan.shared(Operand.GRAD_OUTPUT):
             go_gw, go_gw_inv = go_fp8, go_inv

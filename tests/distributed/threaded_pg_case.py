@@ -14,6 +14,7 @@ pytest.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -77,7 +78,8 @@ def deferred_check_stays_with_its_rank(rank: int) -> str:
     """Rank 1 queues a deferred "ran on some ranks only" check, as an accelerator refresh
     does; rank 0 reads its own checks first, then rank 1: only rank 1 may raise."""
     if rank == 1:
-        refresh._pending().append((_Landed(), torch.tensor([True]), ["blocks.0"]))
+        reader = functools.partial(refresh._raise_if_mixed, ["blocks.0"])
+        refresh._pending().append((_Landed(), torch.tensor([True]), reader))
     said = "nothing"
     for turn in range(WORLD):
         dist.barrier()

@@ -96,7 +96,10 @@ def fake_streams() -> Iterator[None]:
 @contextlib.contextmanager
 def fake_world(shape: tuple[int, ...], names: tuple[str, ...] | None = None, rank: int = 1):
     """A fake process group of prod(shape) ranks, this process rank `rank`; yields the
-    cuda mesh (built before any fake mode, as it must be)."""
+    cuda mesh (built before any fake mode, as it must be). The float8 step's host reads
+    queued in it (fake flags, which have no value) go with it."""
+    from fsdp_float8.fsdp import refresh
+
     world = 1
     for size in shape:
         world *= size
@@ -106,6 +109,7 @@ def fake_world(shape: tuple[int, ...], names: tuple[str, ...] | None = None, ran
             mesh: DeviceMesh = init_device_mesh("cuda", shape, mesh_dim_names=names)
             yield mesh
     finally:
+        refresh._pending_checks.clear()
         dist.destroy_process_group()
 
 

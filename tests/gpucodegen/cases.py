@@ -11,7 +11,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from f8train.gpu_codegen import GraphSummary, codegen_backend, gpu_codegen, summaries
+from f8train.gpu_codegen import (
+    GraphSummary,
+    as_after_first_sync,
+    codegen_backend,
+    gpu_codegen,
+    summaries,
+)
 from fsdp_float8 import CastConfig, Float8LinearConfig, NVFP4Config, convert_to_float8_training
 
 DIM, HEADS, KV_HEADS, MULTIPLE_OF = 256, 4, 2, 256  # hidden 768
@@ -41,7 +47,7 @@ def _static(**kw) -> Float8LinearConfig:
 def config(recipe: str, **kw):
     if recipe == "nvfp4":
         return NVFP4Config(**kw)
-    if recipe == "delayed":
+    if recipe in ("delayed", "delayed_synced"):
         return _delayed(**kw)
     if recipe == "static":
         return _static(**kw)
@@ -88,7 +94,8 @@ def block_args(n_layers: int = 1):
 @functools.cache
 def block(gpu: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
     """One transformer block, float8 per `recipe`, compiled for `gpu`: forward + backward.
-    `lib` "torchao": torchao's conversion of the same block (`compare_fsdp`)."""
+    `lib` "torchao": torchao's conversion of the same block (`compare_fsdp`). "delayed":
+    delayed scaling before the first sync; "delayed_synced": after it."""
     from tests.models import TransformerBlock, rope_tables
 
     args = block_args()
@@ -108,6 +115,8 @@ def block(gpu: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
             x = torch.empty(BATCH, SEQ, DIM, device="cuda", dtype=torch.bfloat16)
             x.requires_grad_()
             cos, sin = cos[:SEQ].to("cuda"), sin[:SEQ].to("cuda")
+        if recipe == "delayed_synced":
+            assert as_after_first_sync(model) == LINEARS
         torch.compile(model, backend=codegen_backend(log), fullgraph=True)(x, cos, sin)
     return _result(log)
 
@@ -260,6 +269,8 @@ def fsdp_step(
                 convert_to_float8_training(
                     model, config=cfg, module_filter_fn=lambda m, fqn: fqn != "output"
                 )
+                if recipe == "delayed_synced":
+                    assert as_after_first_sync(model) == LINEARS * n_blocks
             for i, blk in enumerate(model.blocks):
                 if ac:
                     blk = checkpoint_wrapper(blk)

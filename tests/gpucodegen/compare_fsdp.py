@@ -37,6 +37,15 @@ def main() -> list[list[str]]:
             ours = _totals(cases.fsdp_step(recipe, ac))
             theirs = _totals(cases.fsdp_step(recipe, ac, lib="torchao"))
             rows.append(_row("FSDP2 step", recipe, "on" if ac else "off", ours, theirs))
+    # delayed scaling after the first sync, beside torchao's tensorwise (it has no delayed)
+    recipe = "delayed_synced"
+    ours = _totals(cases.block("h100", recipe))
+    theirs = _totals(cases.block("h100", "tensorwise", lib="torchao"))
+    rows.append(_row("block", recipe, "off", ours, theirs))
+    for ac in (False, True):
+        ours = _totals(cases.fsdp_step(recipe, ac))
+        theirs = _totals(cases.fsdp_step("tensorwise", ac, lib="torchao"))
+        rows.append(_row("FSDP2 step", recipe, "on" if ac else "off", ours, theirs))
     # a recipe beside the targets: the block alone
     recipe = "rowwise_with_gw_hp"
     ours = _totals(cases.block("h100", recipe))

@@ -1,0 +1,146 @@
+"""Delayed scaling once synced: the host learns from the sync (a non-blocking read of the
+`initialized` flags) that an operand's scale is synced, and from then on its cast takes
+that scale as it is, so the cast no longer waits for its own tensor's amax (compiled for
+a GPU the amax then joins the cast's kernel: one pass over the tensor). Numerics are the
+same: before, the device chose the synced scale too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+
+from fsdp_float8 import (
+    CastConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    Operand,
+    sync_float8_amax_and_scale_history,
+)
+from fsdp_float8.core.scaling import rows_then_tensor_amax, tensor_amax
+
+DELAYED = CastConfig(scaling_type="delayed")
+CONFIG = Float8LinearConfig(
+    cast_config_input=DELAYED, cast_config_weight=DELAYED, cast_config_grad_output=DELAYED
+)
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _layer() -> Float8Linear:
+    torch.manual_seed(0)
+    return Float8Linear.from_float(nn.Linear(64, 32, bias=False), CONFIG)
+
+
+def _step(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    xi = x.clone().requires_grad_()
+    out = layer(xi)
+    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+    return out.detach(), xi.grad, layer.weight.grad
+
+
+def _casts_waiting_for_an_amax(gm: torch.fx.GraphModule) -> int:
+    """Casts to float8 in `gm` that have an amax reduction among their inputs' ancestors."""
+    waiting = 0
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not (node.op == "call_function" and getattr(val, "dtype", None) in FLOAT8):
+            continue
+        seen, todo = set(), list(node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "call_function" and "amax" in str(n.target):
+                waiting += 1
+                break
+            todo.extend(n.all_input_nodes)
+    return waiting
+
+
+def test_a_sync_makes_the_operands_ready_on_the_host():
+    layer = _layer()
+    state = layer.delayed_scaling
+    assert state.ready_ops == frozenset()
+    _step(layer, torch.randn(16, 64))
+    assert state.ready_ops == frozenset()  # no sync yet: the casts scale by their own amax
+    sync_float8_amax_and_scale_history(layer)
+    assert state.ready_ops == {Operand.INPUT, Operand.WEIGHT, Operand.GRAD_OUTPUT}
+    for op in state.operands:
+        view = state.view(op)
+        assert view.ready and torch.equal(view.inverse, view.scale.reciprocal())
+
+
+def test_a_synced_cast_waits_for_no_amax_and_gives_the_same_numbers():
+    eager, compiled_layer = _layer(), _layer()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    compiled = torch.compile(compiled_layer, backend=backend, fullgraph=True)
+    torch.manual_seed(1)
+    xs = [torch.randn(16, 64) * (1 + i) for i in range(3)]
+    for i, x in enumerate(xs):
+        want, got = _step(eager, x), _step(compiled, x)
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b), i  # the same scales, eager or compiled, ready or not
+        for layer in (eager, compiled_layer):
+            sync_float8_amax_and_scale_history(layer)
+            layer.zero_grad()
+    # the first step's graphs (forward, backward), then once more when the operands became
+    # ready after the first sync; the third step reuses them
+    assert len(graphs) == 4, len(graphs)
+    first_fwd, first_bwd, ready_fwd, ready_bwd = graphs
+    # before: input and weight casts (forward), grad_output's (backward) wait for an amax
+    assert _casts_waiting_for_an_amax(first_fwd) >= 2
+    assert _casts_waiting_for_an_amax(first_bwd) >= 1
+    assert _casts_waiting_for_an_amax(ready_fwd) == 0
+    assert _casts_waiting_for_an_amax(ready_bwd) == 0
+    # the GEMMs' inverse scales: made in the graph before, taken from the sync after
+    assert _reciprocals(first_fwd) >= 2 and _reciprocals(first_bwd) >= 1
+    assert _reciprocals(ready_fwd) == 0 and _reciprocals(ready_bwd) == 0
+
+
+def _reciprocals(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if "reciprocal" in str(n.target))
+
+
+def test_reset_and_loads_decide_ready_anew():
+    layer = _layer()
+    state = layer.delayed_scaling
+    unsynced = {k: v.clone() for k, v in layer.state_dict().items()}
+    _step(layer, torch.randn(16, 64))
+    sync_float8_amax_and_scale_history(layer)
+    synced = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert state.ready_ops
+    layer.load_state_dict(unsynced)
+    assert state.ready_ops == frozenset()
+    layer.load_state_dict(synced)
+    assert state.ready_ops == set(state.operands)
+    for op in state.operands:  # not saved: remade from the loaded scale
+        view = state.view(op)
+        assert view.scale != 1 and torch.equal(view.inverse, view.scale.reciprocal())
+    state.reset()
+    assert state.ready_ops == frozenset()
+    # a read queued before a reset (or a load) lands after it: dropped
+    state.mark_ready([Operand.INPUT], [True], state.epoch - 1)
+    assert state.ready_ops == frozenset()
+    state.mark_ready([Operand.INPUT], [True], state.epoch)
+    assert state.ready_ops == {Operand.INPUT}
+
+
+@pytest.mark.parametrize(
+    "shape", [(0, 4), (5,), (), (7, 3), (2, 3, 5), (1, 1)], ids=lambda s: "x".join(map(str, s))
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_then_tensor_amax_is_the_tensor_amax(shape, dtype):
+    torch.manual_seed(0)
+    hp = (torch.randn(shape) * 100).to(dtype)
+    assert torch.equal(rows_then_tensor_amax(hp), tensor_amax(hp))
+    if hp.numel():
+        hp.view(-1)[-1] = float("nan")
+        assert rows_then_tensor_amax(hp).isnan() and tensor_amax(hp).isnan()
