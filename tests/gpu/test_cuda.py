@@ -1,6 +1,7 @@
 """CUDA checks (marked `gpu`, skipped without CUDA): the real float8 GEMM against emulation
-for every recipe, the batched CUDA amax against the per-tensor one, and a one-rank NCCL
-FSDP2 step with float8 all-gather."""
+for every recipe, the batched CUDA amax against the per-tensor one, delayed scales made
+ready on the host by a later refresh's non-blocking read (compiled: the same numbers as
+eager), and a one-rank NCCL FSDP2 step with float8 all-gather."""
 
 from __future__ import annotations
 
@@ -51,6 +52,43 @@ def test_batched_cuda_amax_equals_per_tensor_amax():
     for t in ts:  # the CUDA axis amax (one aminmax pass) against the CPU one (amin, amax)
         for dim in (0, -1):
             assert torch.equal(axis_amax(t, dim).cpu(), axis_amax(t.cpu(), dim))
+
+
+def test_delayed_scales_become_ready_and_compiled_steps_match_eager_on_cuda():
+    # the first sync queues a non-blocking read of the initialized flags; the next refresh
+    # (here the second sync) reads it once it has landed: from then on the casts take the
+    # synced scale as it is, and the compiled layer recompiles once, with the same numbers
+    from fsdp_float8 import CastConfig, sync_float8_amax_and_scale_history
+
+    delayed = CastConfig(scaling_type="delayed")
+    config = Float8LinearConfig(
+        cast_config_input=delayed, cast_config_weight=delayed, cast_config_grad_output=delayed
+    )
+    torch.manual_seed(0)
+    base = nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16)
+    eager = Float8Linear.from_float(base, config)
+    compiled_layer = Float8Linear.from_float(
+        nn.Linear(256, 512, bias=False, device="cuda", dtype=torch.bfloat16), config
+    )
+    compiled_layer.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_layer, fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(4):
+        x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        outs = []
+        for layer, fn in ((eager, eager), (compiled_layer, compiled)):
+            xi = x.clone().requires_grad_()
+            out = fn(xi)
+            out.float().square().sum().backward()
+            outs.append((out.detach(), xi.grad, layer.weight.grad.clone()))
+            layer.zero_grad()
+            sync_float8_amax_and_scale_history(layer)
+            torch.cuda.synchronize()
+        for a, b in zip(*outs, strict=True):
+            assert sqnr_db(a.float(), b.float()) >= SQNR_DB["real_vs_emulated"], step
+    for layer in (eager, compiled_layer):
+        state = layer.delayed_scaling
+        assert state.ready_ops == set(state.operands)
 
 
 def test_fsdp_float8_all_gather_one_rank_nccl(tmp_path):
