@@ -18,7 +18,7 @@ fresh outputs and in-place targets, no views (`bench_common.written_bytes`).
 with the CUDA build of torch 2.11: f8train/gpu_codegen.py) at a small shape and at Llama-3
 8B's (dim 4096, hidden 14336, 8,192 tokens): Triton launches forward / backward, the bytes
 Inductor estimates its non-GEMM kernels move, GEMM FLOPs by dtype, and a roofline time of
-the block's forward + backward (`gpu_codegen.roofline_seconds`) with its speedup over bf16.
+the block's forward + backward (`gpu_kernels.roofline_seconds`) with its speedup over bf16.
 docs/results.md says more.
 """
 
@@ -203,7 +203,7 @@ GPU_RECIPES = {
     "b200": ("tensorwise", "delayed", "rowwise", "mxfp8", "nvfp4"),
 }
 # "delayed": tensorwise with delayed scaling of input, weight and grad_output, as a run
-# compiles it from the step after its first sync (`gpu_codegen.as_after_first_sync`);
+# compiles it from the step after its first sync (`gpu_kernels.as_after_first_sync`);
 # compared with torchao's tensorwise (torchao 0.18 has no delayed scaling)
 DELAYED = "delayed"
 GPU_SHAPES = {  # one SwiGLU block: dim, hidden, tokens
@@ -244,6 +244,7 @@ def gpu_block_counts(gpu: str, lib: str, recipe: str, shape: str, cubin: bool = 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from f8train import gpu_codegen as gc
+    from f8train import gpu_kernels as gk
     from fsdp_float8 import NVFP4Config
 
     with gc.gpu_codegen(gpu, cubin=cubin) as log:
@@ -266,9 +267,9 @@ def gpu_block_counts(gpu: str, lib: str, recipe: str, shape: str, cubin: bool = 
             model = model.to_empty(device="cuda")
             x = torch.empty(x_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         if recipe == DELAYED:
-            gc.as_after_first_sync(model)
+            gk.as_after_first_sync(model)
         torch.compile(model, backend=gc.codegen_backend(log), fullgraph=True)(x)
-    graphs = {g.kind: g for g in gc.summaries(log)}
+    graphs = {g.kind: g for g in gk.summaries(log)}
     if len(log.dynamo_graphs) != 1 or set(graphs) != {"forward", "backward"}:
         raise RuntimeError(f"{len(log.dynamo_graphs)} graphs: {sorted(graphs)}")
     fwd, bwd = graphs["forward"], graphs["backward"]
@@ -283,7 +284,7 @@ def gpu_block_counts(gpu: str, lib: str, recipe: str, shape: str, cubin: bool = 
         ),
         "nongemm_bytes": nongemm,
         "gemm_flops": flops,
-        "roofline_s": gc.roofline_seconds(gpu, nongemm, flops),
+        "roofline_s": gk.roofline_seconds(gpu, nongemm, flops),
     }
 
 

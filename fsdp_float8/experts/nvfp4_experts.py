@@ -33,7 +33,7 @@ bytes: 0.5 + 1/256 bytes per element plus 4 per expert. The unsharded weight is 
 is dequantized or quantized again. The packed shard is kept while the weight's values
 stand, so backward's re-gather sends forward's bytes.
 
-Devices: each expert's GEMM is `nvfp4.nvfp4_mm`, as in the linear: on CPU (no FP4 GEMM)
+Devices: each expert's GEMM is `nvfp4_gemm.nvfp4_mm`, as in the linear: on CPU (no FP4 GEMM)
 and with `emulate=True` emulated (operands dequantized to float32, one float32 matmul);
 on CUDA SM100+ one cuBLAS FP4 GEMM per expert (a loop: no grouped FP4 GEMM is used); a
 CUDA device below SM100 is refused unless `emulate=True`. The loop reads the group
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4, nvfp4_gemm
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import refuse_double_backward
 from fsdp_float8.core.randomized import layer_seed, pad_tokens, rounding_draws
@@ -176,7 +176,7 @@ class _NVFP4GroupedFn(torch.autograd.Function):
             if t > s:
                 xe = x[s:t]
                 qx = nvfp4.quantize(xe, _amax(xe), nvfp4.ACTIVATION_BLOCK, four_over_six=fos)
-                out[s:t] = nvfp4.nvfp4_mm(qx, nvfp4.matrix(q, e), x.dtype, emulate=emulate)
+                out[s:t] = nvfp4_gemm.nvfp4_mm(qx, nvfp4.matrix(q, e), x.dtype, emulate=emulate)
         ctx.save_for_backward(x, weight)
         # an unsharded weight's tiles serve backward (autograd checks its version); a
         # gathered one is read again from its record (FSDP2 re-gathers it for backward)
@@ -203,7 +203,7 @@ class _NVFP4GroupedFn(torch.autograd.Function):
             gen = rounding_draws(go, seed, 0) if sr else None
             qgo = nvfp4.quantize(go, _amax(go), act, generator=gen, four_over_six=fos)
             qwt = nvfp4.transposed(nvfp4.matrix(q, e))
-            grad_x[s:t] = nvfp4.nvfp4_mm(qgo, qwt, x.dtype, emulate=emulate)
+            grad_x[s:t] = nvfp4_gemm.nvfp4_mm(qgo, qwt, x.dtype, emulate=emulate)
             go_t, x_t = pad_tokens(go.t()), pad_tokens(xe.t())
             if cfg.hadamard_grad_weight:
                 matrix = hadamard.to(go.device)
@@ -211,7 +211,7 @@ class _NVFP4GroupedFn(torch.autograd.Function):
             gen = rounding_draws(go_t, seed, 1) if sr else None
             qgo_t = nvfp4.quantize(go_t, _amax(go_t), act, generator=gen, four_over_six=fos)
             qx_t = nvfp4.quantize(x_t, _amax(x_t), act, four_over_six=fos)
-            grad_w[e] = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=emulate)
+            grad_w[e] = nvfp4_gemm.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=emulate)
         return grad_x, grad_w, None, None, None
 
 
@@ -245,7 +245,7 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
             raise TypeError(f"config must be an NVFP4Config, got {type(config).__name__}")
         check_expert_dims(source, self.weight_names)
         device = getattr(source, self.weight_names[0]).device
-        nvfp4.check_nvfp4_gemm_device(device, emulate=config.emulate)
+        nvfp4_gemm.check_nvfp4_gemm_device(device, emulate=config.emulate)
         self.config = config
         for name in self.weight_names:
             setattr(self, name, getattr(source, name))  # shared, not copied
@@ -277,7 +277,7 @@ class NVFP4ExpertsMixin(Float8ExpertsBase):
     def grouped(self, x: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         weight = getattr(self, name)
         if x.is_cuda:
-            nvfp4.check_nvfp4_gemm_device(x.device, emulate=self.config.emulate)
+            nvfp4_gemm.check_nvfp4_gemm_device(x.device, emulate=self.config.emulate)
         if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
             raise TypeError(f"{type(self).__name__} input has dtype {x.dtype}; expected a floating tensor")  # fmt: skip
         if torch.is_autocast_enabled(x.device.type):  # as NVFP4Linear: the GEMMs' dtype

@@ -14,7 +14,7 @@ all-gather) scales each block's amax to 6 or to 4, whichever dequantizes closer,
 tensor factor amax / (6 * 256) (`core/nvfp4.py`); stochastic rounding and the Hadamard
 transform act as above.
 Every amax is the tensor's own (dynamic), except the weight's under FSDP2, which is the
-whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4.nvfp4_mm`) are cuBLAS FP4
+whole weight's (`weight_wrappers/nvfp4.py`). The GEMMs (`nvfp4_gemm.nvfp4_mm`) are cuBLAS FP4
 GEMMs on CUDA SM100+ (Blackwell); on CPU, which has no FP4 GEMM, and with `emulate=True`
 they are emulated (each operand dequantized to float32, one float32 matmul). A CUDA device
 below SM100 is refused without `emulate=True`, when the layer is built on it or at its
@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4, nvfp4_gemm
 from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.gemms import PRIMARY_GEMM, Gemm, Operand, refuse_double_backward
@@ -176,7 +176,9 @@ def _release(weight: torch.Tensor, w: _QuantizedWeight) -> None:
         del _UNSHARDED[weight]
 
 
-def _weight_operand(w: _QuantizedWeight, gemm: Gemm, emulate: bool) -> nvfp4.GemmOperand | None:
+def _weight_operand(
+    w: _QuantizedWeight, gemm: Gemm, emulate: bool
+) -> nvfp4_gemm.GemmOperand | None:
     """The weight's operand of the CUDA FP4 `gemm`, built once (`_QuantizedWeight`); None
     where the GEMM takes the record itself: the emulated GEMM (CPU, `emulate`), which
     dequantizes it, and a weight without an operands record (under torch.compile)."""
@@ -227,9 +229,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
         w = _quantized_weight(weight, fos)
         operand = _weight_operand(w, Gemm.OUTPUT, emulate)
         if operand is None:
-            out = nvfp4.nvfp4_mm(qx, w.record, x.dtype, emulate=emulate)
+            out = nvfp4_gemm.nvfp4_mm(qx, w.record, x.dtype, emulate=emulate)
         else:
-            out = nvfp4.prepared_mm(qx, operand, x.dtype)
+            out = nvfp4_gemm.prepared_mm(qx, operand, x.dtype)
         ctx.save_for_backward(x2, weight)
         # the tiles (and operands) backward reuses; an unsharded weight's values cannot
         # change before then (autograd checks the saved weight's version)
@@ -255,9 +257,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
         operand = _weight_operand(w, Gemm.GRAD_INPUT, cfg.emulate)
         if operand is None:
             qwt = nvfp4.transposed(w.record)
-            grad_x = nvfp4.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
+            grad_x = nvfp4_gemm.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)
         else:
-            grad_x = nvfp4.prepared_mm(qgo, operand, x2.dtype)
+            grad_x = nvfp4_gemm.prepared_mm(qgo, operand, x2.dtype)
         go_t, x_t = pad_tokens(grad_out.t()), pad_tokens(x2.t())
         if cfg.hadamard_grad_weight:
             matrix = layer.hadamard(grad_out.device)
@@ -265,7 +267,7 @@ class _NVFP4LinearFn(torch.autograd.Function):
         gen = rounding_draws(go_t, layer.layer_seed, 1) if sr else None
         qgo_t = nvfp4.quantize(go_t, _amax(go_t), act, generator=gen, four_over_six=fos)
         qx_t = nvfp4.quantize(x_t, _amax(x_t), act, four_over_six=fos)
-        grad_w = nvfp4.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
+        grad_w = nvfp4_gemm.nvfp4_mm(qgo_t, qx_t, weight.dtype, emulate=cfg.emulate)
         return grad_x.reshape(x_shape), grad_w, None
 
 
@@ -289,7 +291,7 @@ class NVFP4Linear(QuantizedLinear):
 
     @classmethod
     def check_device(cls, device: torch.device, config: NVFP4Config) -> None:
-        nvfp4.check_nvfp4_gemm_device(device, emulate=config.emulate)
+        nvfp4_gemm.check_nvfp4_gemm_device(device, emulate=config.emulate)
 
     def prepare(self) -> None:
         if self.in_features % 16 or self.out_features % 16:
@@ -341,7 +343,7 @@ class NVFP4Linear(QuantizedLinear):
                 f"{self.weight.placements}); use a float8 recipe for tensor-parallel layers"
             )
         if x.is_cuda:  # a layer built elsewhere and moved: refused before any quantization
-            nvfp4.check_nvfp4_gemm_device(x.device, emulate=self.config.emulate)
+            nvfp4_gemm.check_nvfp4_gemm_device(x.device, emulate=self.config.emulate)
         if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
             raise TypeError(f"NVFP4Linear input has dtype {x.dtype}; expected a floating tensor")
         if torch.is_autocast_enabled(x.device.type):

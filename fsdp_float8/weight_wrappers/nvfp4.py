@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4, nvfp4_gemm
 from fsdp_float8.core.amax_sync import reduce_amaxes, shard_group
 from fsdp_float8.core.blocks import Block, scale_shape
 from fsdp_float8.core.families import Family, register
@@ -187,7 +187,9 @@ class NVFP4FSDPWeight(RefreshedWeight):
         return self.keep_stamped_pack(packed, amax, mesh, outer_size)  # backward reuses it
 
 
-def gemm_operand(record: nvfp4.NVFP4, operands: GatheredOperands, gemm: Gemm) -> nvfp4.GemmOperand:
+def gemm_operand(
+    record: nvfp4.NVFP4, operands: GatheredOperands, gemm: Gemm
+) -> nvfp4_gemm.GemmOperand:
     """The weight `record` (N, K) as the right operand of the CUDA FP4 `gemm`: itself for the
     output GEMM, its transpose (K, N) for grad_input; built at its first use after `record`
     got its values (an unshard, a weight version) and kept in `operands` until the next."""
@@ -196,11 +198,11 @@ def gemm_operand(record: nvfp4.NVFP4, operands: GatheredOperands, gemm: Gemm) ->
     def build(out):
         # the buffers outlive this forward (training reuses them): never inference tensors
         with torch.inference_mode(False):
-            return nvfp4.gemm_operand_parts(record, transpose=transpose, out=out)
+            return nvfp4_gemm.gemm_operand_parts(record, transpose=transpose, out=out)
 
     parts = operands.operand(gemm, build)
     assert parts[1] is not None
-    return nvfp4.gemm_operand(record, (parts[0], parts[1]), transpose=transpose)
+    return nvfp4_gemm.gemm_operand(record, (parts[0], parts[1]), transpose=transpose)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

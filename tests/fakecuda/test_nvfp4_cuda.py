@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_float8 import NVFP4Config, NVFP4Linear, convert_to_float8_training
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4, nvfp4_gemm
 from tests.fakecuda.cases import PARAMS
 from tests.fakecuda.fake_cuda import B200, H200, backward, fake_cuda
 from tests.fakecuda.fake_fsdp import fake_world
@@ -46,7 +46,7 @@ def _run(layer: NVFP4Linear, tokens: tuple[int, ...], params: str) -> None:
 
 
 def _counting_emulated_mm():
-    return mock.patch.object(nvfp4, "emulated_mm", wraps=nvfp4.emulated_mm)
+    return mock.patch.object(nvfp4_gemm, "emulated_mm", wraps=nvfp4_gemm.emulated_mm)
 
 
 def _layer(dims, params: str, config: NVFP4Config) -> NVFP4Linear:
@@ -128,7 +128,7 @@ def _blocks_only(module: nn.Module, fqn: str) -> bool:
 class _WeightLayouts:
     """Counts, per FP4 GEMM, the weight's re-layouts made for it: the CUDA operand of a
     16x16-tiled record (padding, tile factors expanded and swizzled) and the transposes of
-    the weight, outside the operand builds (`nvfp4.gemm_operand_parts`, counted apart), and
+    the weight, outside the operand builds (`nvfp4_gemm.gemm_operand_parts`, counted apart), and
     the weight's quantizations (16x16 tiles)."""
 
     def __init__(self):
@@ -138,10 +138,10 @@ class _WeightLayouts:
         self._layouts = self._transposes = self._building = 0
 
     def __enter__(self):
-        real_operand, real_transposed = nvfp4._cuda_operand, nvfp4.transposed
+        real_operand, real_transposed = nvfp4_gemm._cuda_operand, nvfp4.transposed
         real_parts, real_mm, real_quantize = (
-            nvfp4.gemm_operand_parts,
-            nvfp4.scaled_mm_v2,
+            nvfp4_gemm.gemm_operand_parts,
+            nvfp4_gemm.scaled_mm_v2,
             nvfp4.quantize,
         )
 
@@ -171,13 +171,14 @@ class _WeightLayouts:
             return real_quantize(x, amax, block, **kwargs)
 
         self._patches = [
-            mock.patch.object(nvfp4, name, fn)
-            for name, fn in [
-                ("_cuda_operand", operand),
-                ("transposed", transposed),
-                ("gemm_operand_parts", parts),
-                ("scaled_mm_v2", mm),
-                ("quantize", quantize),
+            mock.patch.object(module, name, fn)
+            for module, name, fn in [
+                (nvfp4_gemm, "_cuda_operand", operand),
+                (nvfp4, "transposed", transposed),
+                (nvfp4_gemm, "transposed", transposed),
+                (nvfp4_gemm, "gemm_operand_parts", parts),
+                (nvfp4_gemm, "scaled_mm_v2", mm),
+                (nvfp4, "quantize", quantize),
             ]
         ]
         for patch in self._patches:

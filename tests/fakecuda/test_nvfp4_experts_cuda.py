@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fsdp_float8 import NVFP4Config, NVFP4GroupedExperts
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4_gemm
 from fsdp_float8.experts import nvfp4_experts
 from tests.fakecuda.fake_cuda import B200, H200, backward, fake_cuda
 from tests.models import GroupedExperts
@@ -48,7 +48,7 @@ def _run(experts: NVFP4GroupedExperts) -> None:
 
 
 def _counting_emulated_mm():
-    return mock.patch.object(nvfp4, "emulated_mm", wraps=nvfp4.emulated_mm)
+    return mock.patch.object(nvfp4_gemm, "emulated_mm", wraps=nvfp4_gemm.emulated_mm)
 
 
 @pytest.mark.parametrize("all_gather", [False, True], ids=["plain", "wrapped_weight"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4, nvfp4_gemm
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ def _blackwell() -> torch.device:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     device = torch.device("cuda")
-    problem = nvfp4.nvfp4_gemm_problem(device)
+    problem = nvfp4_gemm.nvfp4_gemm_problem(device)
     if problem is not None:
         pytest.skip(problem)
     return device
@@ -37,9 +37,9 @@ def test_fp4_gemm_matches_the_emulation_within_float32_summation(m, k, n):
     b = torch.randn(n, k, device=device)
     qa = nvfp4.quantize(a, a.abs().amax(), nvfp4.ACTIVATION_BLOCK)
     qb = nvfp4.quantize(b, b.abs().amax(), nvfp4.WEIGHT_BLOCK)
-    real = nvfp4.nvfp4_mm(qa, qb, torch.float32)
-    emul = nvfp4.emulated_mm(qa, qb, torch.float32)
+    real = nvfp4_gemm.nvfp4_mm(qa, qb, torch.float32)
+    emul = nvfp4_gemm.emulated_mm(qa, qb, torch.float32)
     bound = (k + 4) * 2.0**-23 * (nvfp4.dequantize(qa).abs() @ nvfp4.dequantize(qb).abs().t())
     assert ((real - emul).abs() <= bound).all(), ((real - emul).abs() / bound).max()
-    bf16 = nvfp4.nvfp4_mm(qa, qb, torch.bfloat16)  # rounded from the same float32 sums
+    bf16 = nvfp4_gemm.nvfp4_mm(qa, qb, torch.bfloat16)  # rounded from the same float32 sums
     assert ((bf16.float() - real).abs() <= 2.0**-8 * real.abs() + bound).all()

@@ -11,13 +11,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from f8train.gpu_codegen import (
-    GraphSummary,
-    as_after_first_sync,
-    codegen_backend,
-    gpu_codegen,
-    summaries,
-)
+from f8train.gpu_codegen import codegen_backend, gpu_codegen
+from f8train.gpu_kernels import GraphSummary, as_after_first_sync, summaries
 from fsdp_float8 import CastConfig, Float8LinearConfig, NVFP4Config, convert_to_float8_training
 
 DIM, HEADS, KV_HEADS, MULTIPLE_OF = 256, 4, 2, 256  # hidden 768

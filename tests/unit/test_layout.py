@@ -260,13 +260,14 @@ def test_the_import_graph_sees_function_level_imports():
 NVFP4_FILES = {
     "__init__.py",
     "core/nvfp4.py",
+    "core/nvfp4_gemm.py",
     "experts/nvfp4_experts.py",
     "nn/nvfp4_linear.py",
     "weight_wrappers/nvfp4.py",
 }
 
 
-def test_nvfp4_lives_in_its_five_files():
+def test_nvfp4_lives_in_its_six_files():
     # the 4-bit format (numerics and GEMMs, the experts modules and their FSDP2 weight,
     # the layer, the FSDP2 weight, the export) is named nowhere else in the package: other
     # modules reach it through a config's `linear_class` / `experts_classes` and the

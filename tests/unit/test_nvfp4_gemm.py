@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_float8 import NVFP4Config
-from fsdp_float8.core import nvfp4
+from fsdp_float8.core import nvfp4, nvfp4_gemm
 from fsdp_float8.core.config_fields import Float8ConfigError
 
 
@@ -41,7 +41,7 @@ def test_cuda_operand_holds_the_quantized_tensor(rows, k, block):
     torch.manual_seed(0)
     x = torch.randn(rows, k) * torch.logspace(-3, 3, k)  # blocks of very different amaxes
     q = nvfp4.quantize(x, _amax(x), block)
-    data, (factors, tensor_factor) = nvfp4._cuda_operand(q)
+    data, (factors, tensor_factor) = nvfp4_gemm._cuda_operand(q)
     k_pad = -(-k // 32) * 32  # rows of whole 16-byte words
     assert data.dtype == torch.float4_e2m1fn_x2 and data.shape == (rows, k_pad // 2)
     assert data.is_contiguous() and factors.is_contiguous() and factors.dtype == nvfp4.E4M3
@@ -58,7 +58,7 @@ def test_cuda_operand_holds_the_quantized_tensor(rows, k, block):
 def test_transposed_weight_operand_repeats_each_tile_over_its_rows():
     w = torch.randn(32, 48)
     qt = nvfp4.transposed(nvfp4.quantize(w, _amax(w), nvfp4.WEIGHT_BLOCK))  # (48, 32)
-    _, (factors, _) = nvfp4._cuda_operand(qt)
+    _, (factors, _) = nvfp4_gemm._cuda_operand(qt)
     want = qt.block_inv_scale.float().repeat_interleave(16, dim=0)
     assert torch.equal(_unswizzle(factors, 48, 2).float(), want)
 
@@ -71,11 +71,13 @@ def test_built_weight_operand_is_the_per_gemm_operand(rows, k, transpose):
     torch.manual_seed(0)
     w = torch.randn(rows, k) * torch.logspace(-3, 3, k)
     q = nvfp4.quantize(w, _amax(w), nvfp4.WEIGHT_BLOCK)
-    (codes, factors), buffers = nvfp4.gemm_operand_parts(q, transpose=transpose)
-    want_codes, (want_factors, _) = nvfp4._cuda_operand(nvfp4.transposed(q) if transpose else q)
+    (codes, factors), buffers = nvfp4_gemm.gemm_operand_parts(q, transpose=transpose)
+    want_codes, (want_factors, _) = nvfp4_gemm._cuda_operand(
+        nvfp4.transposed(q) if transpose else q
+    )
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(factors.view(torch.uint8), want_factors.view(torch.uint8))
-    operand = nvfp4.gemm_operand(q, (codes, factors), transpose=transpose)
+    operand = nvfp4_gemm.gemm_operand(q, (codes, factors), transpose=transpose)
     assert operand.shape == ((k, rows) if transpose else (rows, k))
     assert operand.tensor_factor is not None and operand.tensor_factor.dim() == 0
     # codes needing neither padding nor transposition are the record's own bytes
@@ -84,12 +86,14 @@ def test_built_weight_operand_is_the_per_gemm_operand(rows, k, transpose):
     assert len(buffers) == (1 if as_is else 2)
     w2 = torch.randn(rows, k)
     q2 = nvfp4.quantize(w2, _amax(w2), nvfp4.WEIGHT_BLOCK)
-    (codes2, factors2), new = nvfp4.gemm_operand_parts(
+    (codes2, factors2), new = nvfp4_gemm.gemm_operand_parts(
         q2, transpose=transpose, out=(codes, factors)
     )
     assert new == () and factors2.data_ptr() == factors.data_ptr()
     assert as_is or codes2.view(torch.uint8).data_ptr() == codes.view(torch.uint8).data_ptr()
-    want_codes, (want_factors, _) = nvfp4._cuda_operand(nvfp4.transposed(q2) if transpose else q2)
+    want_codes, (want_factors, _) = nvfp4_gemm._cuda_operand(
+        nvfp4.transposed(q2) if transpose else q2
+    )
     assert torch.equal(codes2.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(factors2.view(torch.uint8), want_factors.view(torch.uint8))
 
@@ -97,41 +101,43 @@ def test_built_weight_operand_is_the_per_gemm_operand(rows, k, transpose):
 def test_prepared_mm_refuses_another_k_and_the_cpu():
     a, w = torch.randn(4, 32), torch.randn(16, 48)
     qa, qw = nvfp4.quantize(a, _amax(a)), nvfp4.quantize(w, _amax(w), nvfp4.WEIGHT_BLOCK)
-    operand = nvfp4.gemm_operand(qw, nvfp4.gemm_operand_parts(qw)[0])
+    operand = nvfp4_gemm.gemm_operand(qw, nvfp4_gemm.gemm_operand_parts(qw)[0])
     with pytest.raises(ValueError, match="same K"):
-        nvfp4.prepared_mm(qa, operand)
+        nvfp4_gemm.prepared_mm(qa, operand)
     qw32 = nvfp4.quantize(w[:, :32], _amax(w), nvfp4.WEIGHT_BLOCK)
     with pytest.raises(ValueError, match="use nvfp4_mm"):
-        nvfp4.prepared_mm(qa, nvfp4.gemm_operand(qw32, nvfp4.gemm_operand_parts(qw32)[0]))
+        nvfp4_gemm.prepared_mm(
+            qa, nvfp4_gemm.gemm_operand(qw32, nvfp4_gemm.gemm_operand_parts(qw32)[0])
+        )
 
 
 def test_cpu_always_emulates():
     a, b = torch.randn(5, 32), torch.randn(16, 32)
     qa, qb = nvfp4.quantize(a, _amax(a)), nvfp4.quantize(b, _amax(b), nvfp4.WEIGHT_BLOCK)
-    want = nvfp4.emulated_mm(qa, qb, torch.bfloat16)
+    want = nvfp4_gemm.emulated_mm(qa, qb, torch.bfloat16)
     for emulate in (False, True):
-        assert torch.equal(nvfp4.nvfp4_mm(qa, qb, torch.bfloat16, emulate=emulate), want)
-    nvfp4.check_nvfp4_gemm_device(torch.device("cpu"), emulate=False)  # nothing to refuse
+        assert torch.equal(nvfp4_gemm.nvfp4_mm(qa, qb, torch.bfloat16, emulate=emulate), want)
+    nvfp4_gemm.check_nvfp4_gemm_device(torch.device("cpu"), emulate=False)  # nothing to refuse
 
 
 @pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])
 def test_cuda_below_sm100_is_refused_with_the_remedy(capability, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda", 0)
-    nvfp4.check_nvfp4_gemm_device(cuda, emulate=True)  # emulated GEMMs run anywhere
+    nvfp4_gemm.check_nvfp4_gemm_device(cuda, emulate=True)  # emulated GEMMs run anywhere
     if capability >= (10, 0):
-        assert nvfp4.nvfp4_gemm_problem(cuda) is None
-        nvfp4.check_nvfp4_gemm_device(cuda, emulate=False)
+        assert nvfp4_gemm.nvfp4_gemm_problem(cuda) is None
+        nvfp4_gemm.check_nvfp4_gemm_device(cuda, emulate=False)
         return
     sm = f"SM{capability[0]}{capability[1]}"
     with pytest.raises(ValueError, match=rf"SM100.*{sm}.*NVFP4Config\(emulate=True\)"):
-        nvfp4.check_nvfp4_gemm_device(cuda, emulate=False)
+        nvfp4_gemm.check_nvfp4_gemm_device(cuda, emulate=False)
 
 
 def test_nvfp4_mm_refuses_operands_of_different_k():
     a, b = torch.randn(4, 32), torch.randn(16, 48)
     with pytest.raises(ValueError, match="same K"):
-        nvfp4.nvfp4_mm(nvfp4.quantize(a, _amax(a)), nvfp4.quantize(b, _amax(b)))
+        nvfp4_gemm.nvfp4_mm(nvfp4.quantize(a, _amax(a)), nvfp4.quantize(b, _amax(b)))
 
 
 def test_emulate_must_be_a_bool():
