@@ -175,6 +175,10 @@ class DelayedScalingState(nn.Module):
         # so a read that a reset overtook is dropped
         self.ready_ops: frozenset[Operand] = frozenset()
         self.epoch = 0
+        # each scale buffer's version when the host last knew it (a sync, a load, a
+        # reset): a write outside those (an in-place checkpoint load) drops `ready`
+        self.scale_versions: dict[Operand, int] = {}
+        self._note_scales()
         self.syncs = 0  # how many syncs so far
         self.sync_group = None  # an explicit reduction group, remembered from a sync call
         self.register_load_state_dict_post_hook(_refresh_host_flags)
@@ -269,6 +273,28 @@ class DelayedScalingState(nn.Module):
         self.fp8_forwards.zero_()
         self.weight_ready = Operand.WEIGHT in self.operands
         self.syncs += 1
+        self._note_scales()
+
+    def _note_scales(self) -> None:
+        self.scale_versions = {op: self.view(op).scale._version for op in self.operands}
+
+    def drop_if_scales_written(self) -> bool:
+        """Host-side, before a refresh or a forward: a scale buffer written since the host
+        last knew it (not by a sync, a load or a reset: an in-place checkpoint load such as
+        `dcp.load(model.state_dict())`) may come with an unsynced `initialized` flag and no
+        longer matches its inverse. Then nothing is `ready` until a sync says so again, and
+        each inverse is made anew from its scale. True when that happened."""
+        if all(self.view(op).scale._version == v for op, v in self.scale_versions.items()):
+            return False
+        with torch.no_grad():
+            for op in self.operands:
+                view = self.view(op)
+                if view.inverse is not None:
+                    view.inverse.copy_(view.scale.reciprocal())
+        self.ready_ops = frozenset()
+        self.epoch += 1
+        self._note_scales()
+        return True
 
     def unready(self) -> list[Operand]:
         """The delayed operands whose synced scale the host has not seen yet."""
@@ -301,6 +327,7 @@ class DelayedScalingState(nn.Module):
         self.weight_ready = False
         self.ready_ops = frozenset()
         self.epoch += 1
+        self._note_scales()
 
     def _apply(self, fn, recurse=True):
         # dtype-stable: take the device move from fn, keep the float32 values (a round trip
@@ -332,6 +359,7 @@ def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
             view = state.view(op)
             if view.inverse is not None:
                 view.inverse.copy_(view.scale.reciprocal())
+    state._note_scales()
 
 
 def nonfinite_amaxes(model: nn.Module) -> dict[str, int]:

@@ -246,8 +246,11 @@ def _delayed_due(step: Float8Step, mode: str) -> bool:
 
 def _refresh_steps(steps: list[Float8Step], mode: str) -> tuple[int, int]:
     """Refresh what is stale in `steps` together: one collective per reduction group."""
-    _refresh.read_pending_checks()
     structures = [step.structure() for step in steps]
+    for structure in structures:  # before the host reads: a written scale drops `ready`
+        for state in structure.delayed:
+            state.drop_if_scales_written()
+    _refresh.read_pending_checks()
     due: set[int] = set()
     for step, structure in zip(steps, structures, strict=True):
         if structure.delayed:

@@ -16,6 +16,7 @@ from fsdp_float8 import (
     Float8Linear,
     Float8LinearConfig,
     Operand,
+    convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.core.scaling import rows_then_tensor_amax, tensor_amax
@@ -144,3 +145,34 @@ def test_rows_then_tensor_amax_is_the_tensor_amax(shape, dtype):
     if hp.numel():
         hp.view(-1)[-1] = float("nan")
         assert rows_then_tensor_amax(hp).isnan() and tensor_amax(hp).isnan()
+
+
+def test_a_scale_written_in_place_drops_ready_until_the_next_sync():
+    # an in-place checkpoint load (dcp.load(model.state_dict()) writes the buffers, no load
+    # hook runs) may bring an unsynced state: the float8 step's next refresh sees the
+    # scale's version move, drops `ready` and makes the inverse anew from the scale
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(model, config=CONFIG)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = model[0].delayed_scaling
+
+    def train_step():
+        model(torch.randn(16, 64)).square().mean().backward()
+        opt.step()  # the float8 step syncs after it
+        opt.zero_grad()
+
+    train_step()
+    assert state.ready_ops == set(state.operands)
+    with torch.no_grad():  # what an in-place load of a state saved before any sync writes
+        state.fp8_scale_input.copy_(torch.tensor(2.0))
+        state.fp8_initialized_input.fill_(False)
+    model(torch.randn(16, 64))  # the refresh before this forward sees the write
+    assert state.ready_ops == frozenset()
+    assert state.fp8_inverse_input.item() == 0.5
+    # not ready: the device flag decides again (unsynced: the input's own amax)
+    view = state.view(Operand.INPUT)
+    assert not view.ready and not view.initialized
+    opt.zero_grad()
+    train_step()
+    assert state.ready_ops == set(state.operands)
