@@ -1,5 +1,6 @@
-"""NVFP4 numerics: the e2m1 cast, two-level scales, quantize and dequantize, the Hadamard
-transform. The GEMMs on NVFP4 operands are `core/nvfp4_gemm.py`'s.
+"""NVFP4 numerics: two-level scales, quantize and dequantize, the Hadamard transform. The
+e2m1 element codec (codes, rounding, packing) is `core/e2m1.py`'s; the GEMMs on NVFP4
+operands are `core/nvfp4_gemm.py`'s.
 
 Mental model. An NVFP4 tensor is 4-bit e2m1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6;
 a sign bit), two per byte, times two dequantization factors: one e4m3 per block of 16
@@ -49,17 +50,12 @@ the sum over the tile's rows then columns plus the sum over its columns then row
 added in a fixed order, so the choice, and `transposed(quantize(W))` == `quantize(W.T)`,
 holds bit for bit.
 
-Rounding: to nearest, ties to the even code (the mantissa bit 0), or stochastic (round up
-with probability equal to the distance from the lower neighbour over the gap, from a
-`torch.Generator`: unbiased, reproducible). Zero keeps its sign (-0.0 is code 0b1000, as is
-a negative value that rounds to zero). Non-finite policy: e2m1 has no inf or NaN. The raw
-cast saturates +-inf to +-6 and maps NaN to +0; `quantize` carries them in the scales: a
-block holding inf or NaN gets a NaN block factor and dequantizes to NaN entirely, and a
-non-finite amax makes the tensor factor non-finite, so the whole tensor dequantizes to NaN
-(nothing is silently finite).
-
-Packing: element 2i in the low nibble, 2i+1 in the high nibble of byte i along the last dim,
-the layout of `torch.float4_e2m1fn_x2` (`as_float4` views the bytes as that dtype).
+Rounding and packing are the e2m1 codec's (`core/e2m1.py`): to nearest even, or
+stochastic from a `torch.Generator` or given draws; two codes per byte, low nibble first.
+Non-finite policy: e2m1 has no inf or NaN (the raw cast saturates +-inf to +-6 and maps NaN
+to +0); `quantize` carries them in the scales: a block holding inf or NaN gets a NaN block
+factor and dequantizes to NaN entirely, and a non-finite amax makes the tensor factor
+non-finite, so the whole tensor dequantizes to NaN (nothing is silently finite).
 
 16x16 tiles are transpose-invariant: `transposed(quantize(W))` equals `quantize(W.T)` bit
 for bit, so one quantized weight serves the forward (contracting W's columns) and the
@@ -83,6 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_float8.core.blocks import Block, blocked, expand_block_scale, scale_shape
+from fsdp_float8.core.e2m1 import E2M1_MAX, e2m1_codes, e2m1_values, pack_e2m1, unpack_e2m1
 from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
     RHT_SIZE,
     hashed_uniform,
@@ -92,120 +89,17 @@ from fsdp_float8.core.randomized import (  # noqa: F401  (part of this API)
 )
 from fsdp_float8.core.scaling import block_amax, tensor_amax
 
-E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3 = torch.float8_e4m3fn
-FLOAT4 = torch.float4_e2m1fn_x2
 ACTIVATION_BLOCK: Block = (1, 16)  # activations and gradients: along the contraction dim
 WEIGHT_BLOCK: Block = (16, 16)  # weights: one tile serves both of a weight's GEMMs
 BLOCKS = (ACTIVATION_BLOCK, WEIGHT_BLOCK)
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7; bit 3 is the sign
 BLOCK_INV_SCALE_MIN = 2.0**-9  # e4m3's smallest subnormal
 TENSOR_AMAX_FLOOR = E2M1_MAX * E4M3_MAX * 2.0**-117  # tensor_inv_scale >= 2^-117
 # four-over-six: the e4m3 block factor of the tensor's amax block scaled to 6; scaled to 4
 # it is 256 * 6 / 4 = 384 <= 448, so neither candidate clamps (the module docstring derives it)
 FOUR_OVER_SIX_BLOCK_BOUND = 256.0
 FOUR_OVER_SIX_TARGETS = (E2M1_MAX, 4.0)  # the two block amax targets, 6 first (ties keep it)
-
-# the midpoints between neighbouring magnitudes; crossing midpoint i moves code i to i + 1
-_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
-
-
-def _table(device: torch.device) -> torch.Tensor:
-    """float32 value of each of the 16 codes (code 8 is -0.0)."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])
-
-
-# ------------------------------------------------------------------------ the e2m1 cast
-
-
-def _rne_magnitude_codes(mag: torch.Tensor) -> torch.Tensor:
-    """Nearest magnitude code, ties to the even code; > 6 and inf give 7, NaN gives 0."""
-    code = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
-    for i, mid in enumerate(_MIDPOINTS):
-        # a tie at midpoint i belongs to the even one of codes i and i + 1
-        code += (mag >= mid) if i % 2 else (mag > mid)
-    return code
-
-
-def _draws(mag: torch.Tensor, random: torch.Generator | torch.Tensor) -> torch.Tensor:
-    """Uniform draws in [0, 1), one per element: from a generator, or given (`hashed_uniform`)."""
-    if isinstance(random, torch.Tensor):
-        if random.shape != mag.shape or random.device != mag.device:
-            raise ValueError(
-                f"stochastic rounding of a {tuple(mag.shape)} tensor on {mag.device} got draws "
-                f"of shape {tuple(random.shape)} on {random.device}; pass one per element"
-            )
-        return random
-    if random.device.type != mag.device.type:
-        raise ValueError(
-            f"stochastic rounding of a tensor on {mag.device} got a generator on "
-            f"{random.device}; pass torch.Generator(device={str(mag.device)!r})"
-        )
-    return torch.rand(mag.shape, generator=random, device=mag.device)
-
-
-def _stochastic_magnitude_codes(
-    mag: torch.Tensor, random: torch.Generator | torch.Tensor
-) -> torch.Tensor:
-    """The lower neighbour's code, plus 1 with probability (mag - lower) / gap. The
-    difference and the division are exact in float32 (Sterbenz; the gaps are powers of two),
-    and the draws are multiples of 2^-24, so the bias is below 2^-24 of a gap."""
-    draw = _draws(mag, random)
-    lower = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
-    for m in E2M1_MAGNITUDES[1:]:
-        lower += mag >= m
-    table = _table(mag.device)
-    lo = table[lower.long()]
-    gap = table[(lower.long() + 1).clamp(max=7)] - lo
-    frac = torch.where(gap > 0, (mag - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
-    return lower + (draw < frac).to(torch.uint8)
-
-
-def e2m1_codes(
-    y: torch.Tensor, *, generator: torch.Generator | torch.Tensor | None = None
-) -> torch.Tensor:
-    """uint8 e2m1 codes (0..15, sign in bit 3), one per element of a float32 `y` already
-    scaled into [-6, 6] (beyond it saturates). Round to nearest even, or stochastically
-    with `generator` (a torch.Generator, or a tensor of uniform draws shaped like `y`).
-    See the module docstring for zeros and non-finite values."""
-    if y.dtype != torch.float32:
-        raise TypeError(f"e2m1_codes takes float32, got {y.dtype}; convert with .float()")
-    mag = y.abs()
-    if generator is None:
-        code = _rne_magnitude_codes(mag)
-    else:
-        code = _stochastic_magnitude_codes(mag, generator)
-    negative = torch.signbit(y) & ~torch.isnan(y)
-    return code | (negative.to(torch.uint8) << 3)
-
-
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of uint8 codes (exact): `_table`, written out (every dequantize)."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    return torch.cat([mags, -mags])[codes.long()]
-
-
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Codes (..., n) -> uint8 (..., n / 2): element 2i in the low nibble of byte i."""
-    if codes.shape[-1] % 2:
-        raise ValueError(
-            f"packing two e2m1 codes per byte needs an even last dim, got shape "
-            f"{tuple(codes.shape)}; pad the last dim to a multiple of 2"
-        )
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 (..., n / 2) -> codes (..., n), the inverse of `pack_e2m1`."""
-    pairs = torch.stack([packed & 0xF, packed >> 4], dim=-1)
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
-def as_float4(packed: torch.Tensor) -> torch.Tensor:
-    """The packed bytes viewed as `torch.float4_e2m1fn_x2` (same layout; no copy)."""
-    return packed.view(FLOAT4)
 
 
 # ------------------------------------------------------------------------ two-level scales

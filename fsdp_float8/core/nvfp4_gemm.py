@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from fsdp_float8.core._compat import scaled_mm_v2
 from fsdp_float8.core.blocks_cuda import swizzle_32_4_4
-from fsdp_float8.core.nvfp4 import E4M3, FLOAT4, NVFP4, dequantize, transposed
+from fsdp_float8.core.e2m1 import FLOAT4
+from fsdp_float8.core.nvfp4 import E4M3, NVFP4, dequantize, transposed
 
 
 def _check_mm(a: NVFP4, b: NVFP4) -> None:

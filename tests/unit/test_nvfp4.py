@@ -1,8 +1,8 @@
-"""NVFP4 numerics (fsdp_float8.core.nvfp4): the e2m1 cast bit for bit against a brute-force
-nearest-value search written here, nibble packing, the two-level scales against a per-block
-reference, the non-finite policy, cast and GEMM SQNR (randn and heavy-tailed), transpose
-invariance of 16x16 tiles, stochastic rounding's expectation against a bound from its
-variance, and the Hadamard transform's orthogonality.
+"""NVFP4 numerics (fsdp_float8.core.nvfp4, its e2m1 codec fsdp_float8.core.e2m1): the e2m1
+cast bit for bit against a brute-force nearest-value search written here, nibble packing,
+the two-level scales against a per-block reference, the non-finite policy, cast and GEMM
+SQNR (randn and heavy-tailed), transpose invariance of 16x16 tiles, stochastic rounding's
+expectation against a bound from its variance, and the Hadamard transform's orthogonality.
 
 SQNR thresholds. Measured on CPU (torch 2.13) over seeds 0..31 at the shapes used below
 (casts: 128x512; GEMM: (128, 512) @ (64, 512)^T, left operand 1x16, right 16x16); each
@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from fsdp_float8.core import nvfp4, nvfp4_gemm
+from fsdp_float8.core import e2m1, nvfp4, nvfp4_gemm
 from fsdp_float8.core.numerics import sqnr_db
 from fsdp_float8.weight_wrappers.nvfp4 import bytes_per_element, payload_bytes
 
@@ -84,32 +84,32 @@ def test_e2m1_cast_equals_brute_force_bit_for_bit() -> None:
     g = _gen()
     random = [torch.rand(2000, generator=g) * 16 - 8, torch.randn(2000, generator=g) * 2]
     y = torch.cat([_edge_values(), *random])
-    codes = nvfp4.e2m1_codes(y)
+    codes = e2m1.e2m1_codes(y)
     assert codes.dtype == torch.uint8
     assert torch.equal(codes, _ref_codes(y))
     # the decisions the reference makes, spelled out
     spot = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.1, 7.0, -math.inf])
-    assert nvfp4.e2m1_codes(spot).tolist() == [0, 2, 2, 4, 4, 6, 6, 8, 8, 7, 15]
-    values = nvfp4.e2m1_values(torch.arange(16, dtype=torch.uint8))
+    assert e2m1.e2m1_codes(spot).tolist() == [0, 2, 2, 4, 4, 6, 6, 8, 8, 7, 15]
+    values = e2m1.e2m1_values(torch.arange(16, dtype=torch.uint8))
     assert values.tolist() == [*MAGS, *(-m for m in MAGS)] and values[8].signbit()
 
 
 def test_e2m1_cast_refuses_other_dtypes() -> None:
     with pytest.raises(TypeError, match="float32"):
-        nvfp4.e2m1_codes(torch.ones(4, dtype=torch.bfloat16))
+        e2m1.e2m1_codes(torch.ones(4, dtype=torch.bfloat16))
 
 
 def test_nibble_packing_layout_and_round_trip() -> None:
     # element 2i in the low nibble: 1.0 (code 2) then -6.0 (code 15) -> 0xF2
-    codes = nvfp4.e2m1_codes(torch.tensor([[1.0, -6.0, 0.5, 3.0]]))
-    packed = nvfp4.pack_e2m1(codes)
+    codes = e2m1.e2m1_codes(torch.tensor([[1.0, -6.0, 0.5, 3.0]]))
+    packed = e2m1.pack_e2m1(codes)
     assert packed.dtype == torch.uint8 and packed.tolist() == [[0xF2, 0x51]]
-    f4 = nvfp4.as_float4(packed)
+    f4 = e2m1.as_float4(packed)
     assert f4.dtype == torch.float4_e2m1fn_x2 and f4.view(torch.uint8).tolist() == [[0xF2, 0x51]]
     rand = torch.randint(0, 16, (3, 5, 8), dtype=torch.uint8, generator=_gen())
-    assert torch.equal(nvfp4.unpack_e2m1(nvfp4.pack_e2m1(rand)), rand)
+    assert torch.equal(e2m1.unpack_e2m1(e2m1.pack_e2m1(rand)), rand)
     with pytest.raises(ValueError, match="even last dim"):
-        nvfp4.pack_e2m1(torch.zeros(2, 3, dtype=torch.uint8))
+        e2m1.pack_e2m1(torch.zeros(2, 3, dtype=torch.uint8))
 
 
 # ------------------------------------------------------------------------ two-level scales
@@ -143,7 +143,7 @@ def _reference_quantize(x, amax: float, block, *, round_up: bool = False):
         factors[bi, bj] = factor
         divisor = torch.tensor(factor * float(tensor_inv), dtype=torch.float32)
         codes[r, c] = _ref_codes(tile / divisor).reshape(tile.shape)
-        values = nvfp4.e2m1_values(codes[r, c]).double()
+        values = e2m1.e2m1_values(codes[r, c]).double()
         deq[r, c] = (values * factor * float(tensor_inv)).float()
     return codes, factors, tensor_inv, deq
 
@@ -160,7 +160,7 @@ def test_quantize_equals_the_per_block_reference(block, amax_ratio) -> None:
     q = nvfp4.quantize(x, torch.tensor(amax), block)
     codes, factors, tensor_inv, deq = _reference_quantize(x, amax, block)
     assert q.shape == x.shape and q.packed.shape == (40, 28)
-    assert torch.equal(nvfp4.unpack_e2m1(q.packed), codes)
+    assert torch.equal(e2m1.unpack_e2m1(q.packed), codes)
     assert torch.equal(q.block_inv_scale.view(torch.uint8), factors.view(torch.uint8))
     assert torch.equal(q.tensor_inv_scale, tensor_inv)
     assert torch.equal(nvfp4.dequantize(q), deq)
@@ -292,7 +292,7 @@ def test_stochastic_e2m1_is_unbiased_within_its_variance() -> None:
         [lo + k / 8 * (hi - lo) for lo, hi in zip(MAGS, MAGS[1:]) for k in range(8)]
     )
     y = torch.cat([grid, torch.tensor([6.0]), -grid])
-    draws = nvfp4.e2m1_values(nvfp4.e2m1_codes(y.expand(n, -1).contiguous(), generator=_gen()))
+    draws = e2m1.e2m1_values(e2m1.e2m1_codes(y.expand(n, -1).contiguous(), generator=_gen()))
     p, gap = _neighbours(y.abs())
     assert _bound(draws.mean(0) - y, p, gap, n).all()
     # exactly representable values never move; the others take both neighbours

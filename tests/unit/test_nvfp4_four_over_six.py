@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_float8 import Float8ConfigError, NVFP4Config, NVFP4Linear
-from fsdp_float8.core import nvfp4, nvfp4_gemm
+from fsdp_float8.core import e2m1, nvfp4, nvfp4_gemm
 from fsdp_float8.core.blocks import expand_block_scale
 from fsdp_float8.core.numerics import sqnr_db
 from fsdp_float8.core.scaling import block_amax
@@ -72,7 +72,7 @@ def _candidate(x, tensor_inv, block, target, *, round_up=False):
         block_amax(x, block), tensor_inv, round_up=round_up, target=target
     )
     per = expand_block_scale(factors.float() * tensor_inv, block, x.shape)
-    return nvfp4.NVFP4(nvfp4.pack_e2m1(nvfp4.e2m1_codes(x / per)), factors, tensor_inv, block)
+    return nvfp4.NVFP4(e2m1.pack_e2m1(e2m1.e2m1_codes(x / per)), factors, tensor_inv, block)
 
 
 def _block_sse64(x, q) -> torch.Tensor:
@@ -118,7 +118,7 @@ def test_each_block_error_is_at_most_the_six_only_encodings(block) -> None:
         differ = _bytes(six.block_inv_scale) != _bytes(four.block_inv_scale)
         if name == "randn":
             assert (chose4 & differ).any() and (chose6 & differ).any(), name
-        codes, codes4, codes6 = (nvfp4.unpack_e2m1(t.packed) for t in (q, four, six))
+        codes, codes4, codes6 = (e2m1.unpack_e2m1(t.packed) for t in (q, four, six))
         use4 = expand_block_scale(chose4 & differ, block, x.shape)
         assert torch.equal(codes, torch.where(use4, codes4, codes6)), name
         assert torch.equal(q.tensor_inv_scale, tensor_inv)
@@ -139,7 +139,7 @@ def _reference_four_over_six(x, amax: float, block):
             factor = float(torch.tensor(min(max(s, 2.0**-9), 448.0)).to(E4M3).float())
             divisor = torch.tensor(factor * t, dtype=torch.float32)
             c_ = _ref_codes(tile / divisor).reshape(tile.shape)
-            deq = (nvfp4.e2m1_values(c_).double() * factor * t).float()
+            deq = (e2m1.e2m1_values(c_).double() * factor * t).float()
             sse = float((deq.double() - tile.double()).pow(2).sum())
             if best is None or sse < best[0]:
                 if best is not None and abs(sse - best[0]) <= 1e-6 * best[0]:
@@ -157,7 +157,7 @@ def test_quantize_equals_the_per_block_reference(block) -> None:
         q = _q(x, torch.tensor(amax), block)
         codes, factors, t, near_tie = _reference_four_over_six(x, amax, block)
         keep = ~expand_block_scale(near_tie, block, x.shape)
-        assert torch.equal(nvfp4.unpack_e2m1(q.packed)[keep], codes[keep])
+        assert torch.equal(e2m1.unpack_e2m1(q.packed)[keep], codes[keep])
         assert torch.equal(_bytes(q.block_inv_scale)[~near_tie], _bytes(factors)[~near_tie])
         assert torch.equal(q.tensor_inv_scale, t.float())
 
@@ -176,7 +176,7 @@ def test_crafted_blocks_decode_by_hand() -> None:
     assert q.tensor_inv_scale.item() == 1 / 128
     assert _bytes(q.block_inv_scale).flatten().tolist() == [0x74, 0x78, 0x78]
     assert q.block_inv_scale.float().flatten().tolist() == [192.0, 256.0, 256.0]
-    codes = nvfp4.unpack_e2m1(q.packed)
+    codes = e2m1.unpack_e2m1(q.packed)
     assert codes[0].tolist() == [5] * 15 + [6]
     assert codes[1].tolist() == [7] * 8 + [6] * 8
     assert codes[2].tolist() == [7] * 8 + [8 | 5] * 8
@@ -267,7 +267,7 @@ def test_stochastic_choice_ignores_the_draws_and_the_cast_is_unbiased() -> None:
     factor = (a.block_inv_scale[0].float() * a.tensor_inv_scale).repeat_interleave(16)
     y = (x[0] / factor).abs()
     assert (y <= 6).all()  # factors rounded up: nothing saturates
-    mags = torch.tensor(nvfp4.E2M1_MAGNITUDES)
+    mags = torch.tensor(e2m1.E2M1_MAGNITUDES)
     lower = (y[:, None] >= mags[1:]).sum(-1)
     lo, hi = mags[lower], mags[(lower + 1).clamp(max=7)]
     p = torch.where(hi > lo, (y - lo) / (hi - lo).clamp(min=1e-30), 0.0)

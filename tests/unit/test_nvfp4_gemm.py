@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_float8 import NVFP4Config
-from fsdp_float8.core import nvfp4, nvfp4_gemm
+from fsdp_float8.core import e2m1, nvfp4, nvfp4_gemm
 from fsdp_float8.core.config_fields import Float8ConfigError
 
 
@@ -46,10 +46,10 @@ def test_cuda_operand_holds_the_quantized_tensor(rows, k, block):
     assert data.dtype == torch.float4_e2m1fn_x2 and data.shape == (rows, k_pad // 2)
     assert data.is_contiguous() and factors.is_contiguous() and factors.dtype == nvfp4.E4M3
     assert factors.numel() == (-(-rows // 128) * 128) * (-(-k // 64) * 4)  # the meta's count
-    codes = nvfp4.unpack_e2m1(data.view(torch.uint8))
+    codes = e2m1.unpack_e2m1(data.view(torch.uint8))
     assert torch.equal(codes[:, k:], torch.zeros(rows, k_pad - k, dtype=torch.uint8))
     per_block = _unswizzle(factors, rows, k // 16).float()
-    values = nvfp4.e2m1_values(codes[:, :k])
+    values = e2m1.e2m1_values(codes[:, :k])
     rebuilt = (values * per_block.repeat_interleave(16, dim=1)) * tensor_factor
     assert tensor_factor.dtype == torch.float32 and tensor_factor.numel() == 1
     assert torch.equal(rebuilt, nvfp4.dequantize(q))  # bit for bit, as cuBLAS would read it
