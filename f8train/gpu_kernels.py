@@ -17,12 +17,9 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from f8train.gpu_codegen import CodegenLog
 
 _CALL = re.compile(r"\n    def call\(self, args\):\n(.*?)\n(?:runner = |\S)", re.S)
 _CALL_FN = re.compile(r"\ndef call\(args\):\n(.*?)\n\S", re.S)
@@ -120,7 +117,13 @@ class GraphSummary:
                    found["fallback"], found["host_syncs"], moved, saved)  # fmt: skip
 
 
-def summaries(log: CodegenLog) -> list[GraphSummary]:
+class _Graphs(Protocol):
+    """What `summaries` reads of a `gpu_codegen.CodegenLog`: its generated graphs."""
+
+    graphs: list[dict]
+
+
+def summaries(log: _Graphs) -> list[GraphSummary]:
     return [GraphSummary.of(g) for g in log.graphs]
 
 
