@@ -23,8 +23,10 @@ def _sum_to(grad: torch.Tensor, meta: Any) -> torch.Tensor:
     return grad if grad.dtype == meta.dtype else grad.to(meta.dtype)
 
 
-def _node_order(roots: list) -> list:
-    """The engine's order: a node once all its consumers ran, highest sequence nr first."""
+def engine_order(roots: list) -> list:
+    """The order the engine runs the nodes reachable from `roots`: a node once every node
+    feeding it a gradient has run, the ready one with the highest sequence number first
+    (AccumulateGrad before all: FSDP2's post-backward reads the accumulated gradients)."""
     deps: dict = defaultdict(int)
     seen, stack = set(roots), list(roots)
     while stack:
@@ -94,7 +96,7 @@ def python_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_gr
         roots.append(edge.node)
     target_nodes = {node for node, _ in targets}
     with torch.set_grad_enabled(bool(create_graph)):
-        for node in _node_order(roots):
+        for node in engine_order(roots):
             given = pending[node]
             if node in target_nodes or type(node).__name__ == "AccumulateGrad":
                 continue

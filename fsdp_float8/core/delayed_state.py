@@ -286,15 +286,20 @@ class DelayedScalingState(nn.Module):
         each inverse is made anew from its scale. True when that happened."""
         if all(self.view(op).scale._version == v for op, v in self.scale_versions.items()):
             return False
-        with torch.no_grad():
-            for op in self.operands:
-                view = self.view(op)
-                if view.inverse is not None:
-                    view.inverse.copy_(view.scale.reciprocal())
         self.ready_ops = frozenset()
         self.epoch += 1
-        self._note_scales()
+        self.remake_inverses()
         return True
+
+    @torch.no_grad()
+    def remake_inverses(self) -> None:
+        """Each inverse made anew from its scale (a load, a written scale), and the scales'
+        versions noted as the host's."""
+        for op in self.operands:
+            view = self.view(op)
+            if view.inverse is not None:
+                view.inverse.copy_(view.scale.reciprocal())
+        self._note_scales()
 
     def unready(self) -> list[Operand]:
         """The delayed operands whose synced scale the host has not seen yet."""
@@ -354,12 +359,7 @@ def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
     state.weight_ready = flags.get(Operand.WEIGHT, False)
     state.epoch += 1
     state.ready_ops = frozenset(op for op, flag in flags.items() if flag)
-    with torch.no_grad():
-        for op in state.operands:
-            view = state.view(op)
-            if view.inverse is not None:
-                view.inverse.copy_(view.scale.reciprocal())
-    state._note_scales()
+    state.remake_inverses()
 
 
 def nonfinite_amaxes(model: nn.Module) -> dict[str, int]:

@@ -28,9 +28,7 @@ validate_outputs does), leaf gradients accumulated into `.grad`. Tensor hooks do
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -38,6 +36,8 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from f8train.gpu_autograd import engine_order
 
 aten = torch.ops.aten
 H200, B200 = (9, 0), (10, 0)
@@ -239,7 +239,7 @@ def backward(outputs, grads=None) -> None:
     # grad mode off, as the engine runs a backward without create_graph (the float8 layers
     # refuse a backward under grad mode: a double backward)
     with torch.no_grad():
-        for node in _engine_order(roots):
+        for node in engine_order(roots):
             _run_node(node, pending.pop(node, {}), pending)
         while _GRAPH is not None and _GRAPH.callbacks:
             _GRAPH.callbacks.pop(0)()
@@ -291,37 +291,3 @@ def _add(slots: dict, nr: int, grad: torch.Tensor) -> None:
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     with torch.no_grad():
         leaf.grad = grad.detach() if leaf.grad is None else leaf.grad + grad
-
-
-def _engine_order(roots) -> list:
-    """The order the engine runs the nodes reachable from `roots`: a node once every node
-    feeding it a gradient has run, the ready one with the highest sequence number first
-    (AccumulateGrad before all: FSDP2's post-backward reads the accumulated gradients)."""
-    deps: dict = defaultdict(int)
-    seen, stack = set(roots), list(roots)
-    while stack:
-        for nxt, _ in stack.pop().next_functions:
-            if nxt is None:
-                continue
-            deps[nxt] += 1
-            if nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    ready = [(_priority(n), id(n), n) for n in roots if deps[n] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        node = heapq.heappop(ready)[2]
-        order.append(node)
-        for nxt, _ in node.next_functions:
-            if nxt is not None:
-                deps[nxt] -= 1
-                if deps[nxt] == 0:
-                    heapq.heappush(ready, (_priority(nxt), id(nxt), nxt))
-    return order
-
-
-def _priority(node) -> float:
-    if type(node).__name__ == "AccumulateGrad":
-        return -math.inf
-    return -node._sequence_nr()

@@ -12,19 +12,15 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 
 from fsdp_float8 import (
-    CastConfig,
     Float8Linear,
-    Float8LinearConfig,
     Operand,
     convert_to_float8_training,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.core.scaling import rows_then_tensor_amax, tensor_amax
+from tests.unit.float8_helpers import make_config
 
-DELAYED = CastConfig(scaling_type="delayed")
-CONFIG = Float8LinearConfig(
-    cast_config_input=DELAYED, cast_config_weight=DELAYED, cast_config_grad_output=DELAYED
-)
+CONFIG = make_config("tensorwise", "delayed")  # input, weight and grad_output delayed
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
