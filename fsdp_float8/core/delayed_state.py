@@ -10,7 +10,8 @@ history (`fp8_initialized_<op>` False): the operand is scaled by its own amax, a
 scaling would, and that amax is recorded like any other. A non-finite amax (inf/NaN in
 the operand) is never recorded: it is counted in `fp8_nonfinite_<op>` instead
 (`nonfinite_amaxes(model)`), so one bad batch that a training loop skips cannot poison
-the history.
+the history. A sync whose reduced amax is 0 (nothing finite recorded, or an all-zero
+operand) leaves that operand's history and scale as they were.
 
 `DelayedScalingState` is that state for one `Float8Linear` (its child `delayed_scaling`,
 None when no operand is delayed):
@@ -122,13 +123,16 @@ class DelayedState(NamedTuple):
         where: torch.Tensor | bool = True,
     ) -> None:
         """Push the (cross-rank reduced) amax into the history and refresh the scale, where
-        `where` holds (a 0-d bool, decided on the device) and the amax is finite; the
-        recorded amax is cleared."""
+        `where` holds (a 0-d bool, decided on the device) and the amax is finite and above
+        0; the recorded amax is cleared. An amax of 0 says nothing about the next steps'
+        range (an all-zero operand, or one whose every amax since the last sync was
+        non-finite and left out): pushed, it would become the largest scale, and the next
+        cast of that operand would saturate everywhere, so history and scale stay."""
         history = torch.roll(self.amax_history, 1)
         history[0] = amax
         source = history.amax() if strategy.scale_fn_name == "max" else history[0]
         scale = strategy.scale_from_amax(source, dtype)
-        where = torch.as_tensor(where, device=history.device) & torch.isfinite(amax)
+        where = torch.as_tensor(where, device=history.device) & torch.isfinite(amax) & (amax > 0)
         self.amax_history.copy_(torch.where(where, history, self.amax_history))
         self.scale.copy_(torch.where(where, scale, self.scale))
         if self.inverse is not None:

@@ -49,6 +49,23 @@ def _step(mod: nn.Module, x: torch.Tensor, sync: bool = True) -> torch.Tensor:
     return out.detach()
 
 
+def test_an_all_zero_operand_keeps_the_synced_scale() -> None:
+    """A step whose input is all zeros (amax 0) pushes nothing: the next step scales as the
+    one before (an amax of 0 would give the largest scale, saturating the next input)."""
+    mod = _layer(history_len=3, scale_fn_name="most_recent")
+    _step(mod, torch.randn(4, 64))
+    state = mod.delayed_scaling
+    history, scale = state.fp8_amax_history_input.clone(), state.fp8_scale_input.clone()
+    _step(mod, torch.zeros(4, 64))
+    assert torch.equal(state.fp8_amax_history_input, history)
+    assert torch.equal(state.fp8_scale_input, scale)
+    # the next non-zero input rolls as usual
+    x = torch.zeros(4, 64)
+    x[0, 0] = 3.0
+    _step(mod, x)
+    assert state.fp8_amax_history_input[0].item() == 3.0
+
+
 def test_buffers_are_registered_float32() -> None:
     mod = _layer(history_len=5)
     for op in Operand:

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
-from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
+from fsdp_float8 import (
+    CastConfig,
+    DelayedScalingConfig,
+    Float8LinearConfig,
+    convert_to_float8_training,
+    sync_float8_amax_and_scale_history,
+)
 from fsdp_float8.core.delayed_state import nonfinite_amaxes
 
 DELAYED = CastConfig(scaling_type="delayed")
@@ -99,3 +106,40 @@ def test_nonfinite_amaxes_are_counted_per_layer_and_operand() -> None:
     assert nonfinite_amaxes(model) == {"mlp.0.input": 1, "mlp.2.input": 1}
     _, clean = _train(None)
     assert nonfinite_amaxes(clean) == {}
+
+
+def _unguarded_steps(scale_fn_name: str, poison: float | None, steps: int) -> nn.Module:
+    """Training without a residual: an inf in the batch saturates in the first layer's cast,
+    so the loss stays finite and the step, with its sync, runs. At `BAD_STEP` the first
+    layer's input records only a non-finite amax."""
+    torch.manual_seed(0)
+    config = Float8LinearConfig(
+        cast_config_input=DELAYED,
+        cast_config_weight=DELAYED,
+        cast_config_grad_output=DELAYED,
+        delayed_scaling_config=DelayedScalingConfig(scale_fn_name=scale_fn_name),
+    )
+    mlp = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+    model = convert_to_float8_training(mlp, config=config)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        loss = model(_batch(step, poison)).pow(2).mean()
+        assert torch.isfinite(loss), step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync_float8_amax_and_scale_history(model)
+    return model
+
+
+@pytest.mark.parametrize("scale_fn_name", ["max", "most_recent"])
+def test_a_sync_after_only_nonfinite_amaxes_keeps_the_scale(scale_fn_name: str) -> None:
+    """An operand that recorded no finite amax since the last sync has nothing to push: its
+    history and scale stay the last sync's (an amax of 0 would give the largest scale, and
+    the next step's cast of that operand would saturate everywhere)."""
+    poisoned = _unguarded_steps(scale_fn_name, math.inf, BAD_STEP + 1)
+    assert nonfinite_amaxes(poisoned) == {"0.input": 1}
+    clean = _unguarded_steps(scale_fn_name, None, BAD_STEP)  # the steps before the bad one
+    poisoned, before = (m.get_submodule("0").delayed_scaling for m in (poisoned, clean))
+    assert torch.equal(poisoned.fp8_amax_history_input, before.fp8_amax_history_input)
+    assert torch.equal(poisoned.fp8_scale_input, before.fp8_scale_input)
