@@ -249,26 +249,36 @@ def scaled_mm_data(
         b_data = b_data.transpose(-2, -1).contiguous().transpose(-2, -1)
     if a_data.shape[1] % 16 or n % 16:  # else `_pad_to_16` has nothing to do
         a_data, b_data, inv_b = _pad_to_16(a_data, b_data, inv_b, pad_inner_dim, cuda)
+    out = _laid_out_mm(a_data, b_data, inv_a, inv_b, out_dtype, emulate, use_fast_accum)
+    return out if out.shape[1] == n else out[:, :n].contiguous()  # cut N's padding
+
+
+def _laid_out_mm(
+    a_data: torch.Tensor,
+    b_data: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    emulate: bool,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """The backend's GEMM on operands `scaled_mm_data` has laid out and padded, with inverse
+    scales in torch._scaled_mm's shapes: the float32 emulation, the unit-scale GEMM with the
+    row scales around it, CPU `cpu_scaled_mm`, or CUDA `torch._scaled_mm`."""
     if emulate:
         dequantized = (a_data.to(torch.float32) * inv_a, b_data.to(torch.float32) * inv_b)
-        out = high_precision_mm(*dequantized, torch.float32)
-        out = out.to(out_dtype)
-    else:
-        if (
-            inv_a.dim() > 0
-            and out_dtype != torch.bfloat16
-            and (a_data.is_cuda or _CUDA_RULES_ON_CPU)
-        ):  # CUDA's row-scaled kernel writes bfloat16 only: the scales go around the GEMM
-            out = row_scaled_mm_around_unit_gemm(
-                a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum
-            )
-        elif a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
-            out = cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
-        else:
-            out = torch._scaled_mm(
-                a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
-            )
-    return out if out.shape[1] == n else out[:, :n].contiguous()  # cut N's padding
+        return high_precision_mm(*dequantized, torch.float32).to(out_dtype)
+    if (
+        inv_a.dim() > 0 and out_dtype != torch.bfloat16 and (a_data.is_cuda or _CUDA_RULES_ON_CPU)
+    ):  # CUDA's row-scaled kernel writes bfloat16 only: the scales go around the GEMM
+        return row_scaled_mm_around_unit_gemm(
+            a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum
+        )
+    if a_data.device.type == "cpu":  # what this torch's CPU kernel takes: _compat
+        return cpu_scaled_mm(a_data, b_data, inv_a, inv_b, out_dtype, use_fast_accum)
+    return torch._scaled_mm(
+        a_data, b_data, inv_a, inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
 
 
 def _strided_columns(b: torch.Tensor) -> bool:

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -47,6 +45,7 @@ from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.core.delayed_state import is_training_forward
 from fsdp_float8.fsdp import refresh as _refresh
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, units_of
+from fsdp_float8.fsdp.step_plan import StepPlan, plan_of
 from fsdp_float8.fsdp.streams import caller_stream, first_stream, on_stream
 from fsdp_float8.fsdp.structure import Structure, held_by
 from fsdp_float8.nn.convert import AFTER_CONVERSION
@@ -56,33 +55,6 @@ from fsdp_float8.weight_wrappers.wrap import replaced_parameter
 _AUTO, _FORWARD, _EXPLICIT = "after optimizer step", "before forward", "explicit call"
 _STEP_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root module -> step
 _LAYER_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # float8 layer -> step
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the float8 step of a model does (`Float8Step.describe()`)."""
-
-    enabled: bool
-    float8_layers: tuple[str, ...]  # float8 linear layers and experts modules
-    precomputed_weights: tuple[str, ...]  # weights whose all-gather scale is precomputed
-    delayed_layers: tuple[str, ...]  # layers whose delayed-scaling state is synced
-    # refresh collectives per steady training step; None before `fully_shard` in a
-    # distributed run (float8-gathered weights not sharded yet: their groups are unknown)
-    collectives_per_step: int | None
-
-    def __str__(self) -> str:
-        state = "on" if self.enabled else "off (explicit calls only)"
-        n = self.collectives_per_step
-        count = (
-            f"{n} collective(s) per optimizer step"
-            if n is not None
-            else "collectives per optimizer step known after fully_shard (no weight is sharded yet)"
-        )
-        return (
-            f"float8 step {state}: {len(self.float8_layers)} float8 layers, "
-            f"{len(self.precomputed_weights)} precomputed weight scales, "
-            f"{len(self.delayed_layers)} delayed-scaling layers; {count}"
-        )
 
 
 class Float8Step:
@@ -130,19 +102,7 @@ class Float8Step:
         """The layers, weights and collectives of this step, as the model is now. The
         collectives are known after `fully_shard` (the meshes); before it, in a run of
         several ranks with float8-gathered weights, `collectives_per_step` is None."""
-        units = self._units()
-        grouped = grouped_units(units)
-        layers = dict.fromkeys(u.layer for u, _ in units if u.float8)
-        delayed = dict.fromkeys(u.layer for u, _ in units if u.delayed() is not None)
-        return StepPlan(
-            enabled=self._enabled,
-            float8_layers=tuple(layers),
-            precomputed_weights=tuple(u.fqn for u, _ in units if u.dynamic_weight() is not None),
-            delayed_layers=tuple(delayed),
-            collectives_per_step=None
-            if _awaits_sharding(grouped)
-            else _refresh.collectives(grouped),
-        )
+        return plan_of(self._units(), enabled=self._enabled)
 
     def structure(self) -> Structure:
         """The model's units, mesh and parameters, rebuilt only after a structural change."""
@@ -160,16 +120,6 @@ class Float8Step:
 
     def __repr__(self) -> str:
         return f"Float8Step({self.describe()})"
-
-
-def _awaits_sharding(grouped: dict[Group, list[Unit]]) -> bool:
-    """Several ranks, and float8-gathered weights in no reduction group yet (not sharded)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    return any(
-        group_of(g) is None and any(u.dynamic_weight() is not None for u in us)
-        for g, us in grouped.items()
-    )
 
 
 class _Marker:

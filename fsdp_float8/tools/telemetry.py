@@ -68,12 +68,7 @@ steps take graph breaks (so not with `fullgraph=True`), other steps run the usua
 
 from __future__ import annotations
 
-import json
-import math
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -87,26 +82,15 @@ from fsdp_float8.core.gemms import CONTRACTION_DIM, OPERAND_GEMMS, Gemm, Operand
 from fsdp_float8.core.numerics import out_of_range_fraction, underflow_fraction
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.nn.linear import Float8Linear
-from fsdp_float8.weight_wrappers.base import plain_weight
-
-RECORD_FIELDS = (
-    "step",
-    "layer",
-    "operand",
-    "gemm",
-    "float8_dtype",
-    "amax",
-    "scale",
-    "scale_max",
-    "saturation",
-    "underflow",
-    "sqnr",
+from fsdp_float8.tools.telemetry_records import (  # noqa: F401  (part of this API)
+    RECORD_FIELDS,
+    Float8NumericsWarning,
+    PendingRecord,
+    append_jsonl,
+    host_records,
+    warn_past_thresholds,
 )
-_STATS = ("amax", "scale", "scale_max", "saturation", "underflow", "sqnr")
-
-
-class Float8NumericsWarning(UserWarning):
-    """A layer's saturation or underflow fraction crossed a Float8Telemetry threshold."""
+from fsdp_float8.weight_wrappers.base import plain_weight
 
 
 def cast_stats(hp: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
@@ -142,16 +126,6 @@ class ObservedLayer(Protocol):
 
 def _observes_itself(m: nn.Module) -> bool:
     return callable(getattr(m, "telemetry_stats", None))
-
-
-@dataclass
-class _Pending:
-    step: int
-    layer: str
-    operand: Operand
-    gemm: Gemm
-    float8_dtype: torch.dtype | str
-    stats: torch.Tensor  # (6,) float32 on the operand's device, NaN for unknown
 
 
 class Float8Telemetry:
@@ -201,7 +175,7 @@ class Float8Telemetry:
             else {op: [gemm] for op, gemm in m.TELEMETRY_CASTS.items()}
             for fqn, m in self.layers.items()
         }
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingRecord] = []
         self._host: list[dict[str, Any]] = []
         self._sharded_weights: dict[str, DTensor] = {}
         self._warned_no_shard: set[str] = set()
@@ -352,9 +326,7 @@ class Float8Telemetry:
         self._add(self.current_step, fqn, Operand.WEIGHT, gemms[0], fmt, stats)
 
     def _add(self, step, fqn, operand, gemm, dtype, stats) -> None:
-        if stats.numel() < len(_STATS):  # a float8 cast's: no SQNR
-            stats = torch.cat([stats, stats.new_full((len(_STATS) - stats.numel(),), math.nan)])
-        self._pending.append(_Pending(step, fqn, operand, gemm, dtype, stats))
+        self._pending.append(PendingRecord.of(step, fqn, operand, gemm, dtype, stats))
 
     def _find_sharded_weights(self) -> None:
         # Between steps FSDP2 has resharded, so the module's weight is the sharded parameter
@@ -377,43 +349,10 @@ class Float8Telemetry:
 
     # -- host side -------------------------------------------------------------------------
     def _drain(self) -> None:
-        if not self._pending:
-            return
         pending, self._pending = self._pending, []
-        device = pending[0].stats.device
-        rows = torch.stack([p.stats.to(device) for p in pending]).tolist()  # the host read
-        for p, row in zip(pending, rows, strict=True):
-            record = {
-                "step": p.step,
-                "layer": p.layer,
-                "operand": p.operand.value,
-                "gemm": p.gemm.value,
-                "float8_dtype": str(p.float8_dtype).replace("torch.float8_", ""),  # or a format
-            }
-            record.update({k: None if math.isnan(v) else v for k, v in zip(_STATS, row)})
-            self._check(record)
+        for record in host_records(pending):  # one host read for them all
+            warn_past_thresholds(record, self.saturation_warn, self.underflow_warn)
             self._host.append(record)
-
-    def _check(self, r: dict[str, Any]) -> None:
-        for stat, limit in (
-            ("saturation", self.saturation_warn),
-            ("underflow", self.underflow_warn),
-        ):
-            value = r[stat]
-            if limit is None or value is None or not value > limit:
-                continue
-            warnings.warn(
-                f"{_kind(r['float8_dtype'])} {stat} in {r['layer']} ({r['operand']}, {r['gemm']} GEMM, "
-                f"{r['float8_dtype']}) at step {r['step']}: {value:.3g} of elements > "
-                f"threshold {limit:g} (amax {r['amax']:.3g}, scale {r['scale']:.3g})",
-                Float8NumericsWarning,
-                stacklevel=3,
-            )
-
-
-def _kind(dtype_word: str) -> str:
-    """What a warning calls a record's cast: float8, or the format's word."""
-    return "float8" if dtype_word.startswith(("e4m3", "e5m2")) else dtype_word
 
 
 def _observed_casts(plan: CastPlan, all_casts: bool) -> dict[Operand, list[Gemm]]:
@@ -434,11 +373,3 @@ def _scratch_state(module: Float8Linear, operand: Operand):
     strategy computes exactly the layer's scale, and records its amax into the copy."""
     delayed = module.delayed_scaling
     return delayed.scratch(operand) if delayed is not None else None
-
-
-def append_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> int:
-    """Append records (e.g. `tel.flush()`) to a JSONL file; returns how many."""
-    lines = [json.dumps(r) + "\n" for r in records]
-    with Path(path).open("a") as f:
-        f.writelines(lines)
-    return len(lines)
