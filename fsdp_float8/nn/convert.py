@@ -103,14 +103,37 @@ def convert_to_float8_training(
     are refreshed after each optimizer step.
     """
     config = _layer_config(config)
-    if expert_config is not None:
-        expert_config = (
-            expert_config
-            if expert_modules.converts_experts(expert_config)
-            else as_float8_linear_config(expert_config, "expert_config")
-        )
+    expert_config = _expert_layer_config(expert_config)
     _refuse_high_precision_config(config)
     report = ConversionReport()
+    plan = _plan_linears(model, config, module_filter_fn, report)
+    expert_plan: list[_Swap] = []
+    _plan_experts(model, "", expert_config or config, expert_filter_fn, report, expert_plan)
+    model = _swap_linears(model, plan, config, report)
+    _swap_experts(expert_plan, report)
+    model.float8_conversion_report = report  # type: ignore[assignment]
+    if module_filter_fn is None:
+        _warn_default_skips(report)
+    if report.converted or report.experts_converted:
+        for hook in AFTER_CONVERSION:  # the float8 step: no float8 call in the training loop
+            hook(model)
+    return model
+
+
+def _expert_layer_config(expert_config: object) -> object:
+    """`expert_config` as the experts conversion reads it: a config that converts experts
+    as it is, any other as `as_float8_linear_config` reads it; None stays None."""
+    if expert_config is None or expert_modules.converts_experts(expert_config):
+        return expert_config
+    return as_float8_linear_config(expert_config, "expert_config")
+
+
+def _plan_linears(
+    model: nn.Module, config: Float8LinearConfig, module_filter_fn, report: ConversionReport
+) -> list[_Swap]:
+    """The nn.Linear swaps (a root nn.Linear included), each skip noted in `report`; raises
+    before any module changes for a root with children and, under float8 all-gather, for
+    a tied weight."""
     plan: list[_Swap] = []
     if isinstance(model, nn.Linear):
         if any(True for _ in model.children()):
@@ -124,8 +147,13 @@ def convert_to_float8_training(
         _plan_children(model, "", config, module_filter_fn, report, plan)
     if config.enable_fsdp_float8_all_gather:
         _refuse_tied_weights(model, plan, module_filter_fn)
-    expert_plan: list[_Swap] = []
-    _plan_experts(model, "", expert_config or config, expert_filter_fn, report, expert_plan)
+    return plan
+
+
+def _swap_linears(
+    model: nn.Module, plan: list[_Swap], config: Float8LinearConfig, report: ConversionReport
+) -> nn.Module:
+    """Put each planned layer in place; the model, or the new layer for a root nn.Linear."""
     for swap in plan:
         assert isinstance(swap.linear, nn.Linear)  # _plan_linear planned it
         new = _to_float8(swap.linear, config, swap.fqn)
@@ -135,7 +163,12 @@ def convert_to_float8_training(
         else:
             swap.put(new)
         report.converted.append(swap.fqn)
-    for swap in expert_plan:
+    return model
+
+
+def _swap_experts(plan: list[_Swap], report: ConversionReport) -> None:
+    """Put each planned float8 experts module in place, under every name it is held by."""
+    for swap in plan:
         assert swap.config is not None  # _plan_experts sets it
         experts = expert_modules.to_float8_experts(swap.linear, swap.config)
         if hasattr(experts, "fqn"):  # experts whose random draws are seeded by their name
@@ -143,13 +176,6 @@ def convert_to_float8_training(
         _name_replaced(swap, experts, experts.weight_names)
         swap.put(experts)
         report.experts_converted.append(swap.fqn)
-    model.float8_conversion_report = report  # type: ignore[assignment]
-    if module_filter_fn is None:
-        _warn_default_skips(report)
-    if report.converted or report.experts_converted:
-        for hook in AFTER_CONVERSION:  # the float8 step: no float8 call in the training loop
-            hook(model)
-    return model
 
 
 def _warn_default_skips(report: ConversionReport) -> None:

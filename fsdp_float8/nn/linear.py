@@ -26,11 +26,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.nn import functional as F
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_float8.core.cast_plan import CastPlan, Pair
 from fsdp_float8.core.config import Float8LinearConfig, ScalingType, as_float8_linear_config
-from fsdp_float8.core.config_fields import Float8ConfigError
 from fsdp_float8.core.delayed_state import DelayedScalingState, is_training_forward
 from fsdp_float8.core.float8_tensor import Float8Tensor
 from fsdp_float8.core.gemm import check_float8_gemm_device, high_precision_mm, scaled_mm_data
@@ -47,6 +45,14 @@ from fsdp_float8.formats.tensorwise import columns_from_row_scales, from_row_sca
 from fsdp_float8.formats.weight_operands import joint_place, weight_for
 from fsdp_float8.nn.cast_words import cast_configs
 from fsdp_float8.nn.layer import QuantizedLinear
+from fsdp_float8.nn.linear_checks import (
+    check_dims,
+    check_input_dtype,
+    local_parameters,
+    quantized_elsewhere,
+    refuse_dtype_mismatch,
+    require_float8_weight,
+)
 from fsdp_float8.weight_wrappers.base import Float8WeightWrapper
 
 
@@ -279,22 +285,6 @@ def _recast(hp: torch.Tensor, scale: torch.Tensor, operand: Operand, plan: CastP
     return data, scale
 
 
-def _check_dims(in_features: int, out_features: int, config: Float8LinearConfig) -> None:
-    # emulated GEMMs (float32 on the dequantized operands) take any shape; the hardware's
-    # torch._scaled_mm needs both dims in multiples of 16
-    if config.pad_inner_dim or config.emulate or (in_features % 16 == 0 and out_features % 16 == 0):
-        return
-    remedy = "set Float8LinearConfig(pad_inner_dim=True) or keep"
-    if config.uses_block_scales():  # block recipes refuse pad_inner_dim (config_rules)
-        remedy = "block-scaled recipes cannot pad (pad_inner_dim is refused with them): keep"
-    raise Float8ConfigError(
-        f"Float8Linear({in_features}, {out_features}): float8 GEMMs contract over both dims, "
-        f"which must be multiples of 16; {remedy} this layer in high precision (the default "
-        "module filter skips it), or use dims that are multiples of 16 (emulate=True runs "
-        "any dims, with float32 GEMMs)"
-    )
-
-
 class Float8Linear(QuantizedLinear):
     """nn.Linear with float8 GEMMs. Build it with `from_float` (shares the parameters) or
     `convert_to_float8_training`. `from_float`, `wrap_weight_for_fsdp`, the state-dict
@@ -316,7 +306,7 @@ class Float8Linear(QuantizedLinear):
         check_float8_gemm_device(device, emulate=config.emulate)
 
     def prepare(self) -> None:
-        _check_dims(self.in_features, self.out_features, self.config)
+        check_dims(self.in_features, self.out_features, self.config)
         if self.weight.device.type == "cuda":  # from_float checks its meta-built layers
             self.check_device(self.weight.device, self.config)
         self.plan = CastPlan.from_config(self.config)
@@ -340,19 +330,19 @@ class Float8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
         gathered = type(weight) is Float8Tensor  # the FSDP2 float8 all-gather's: no checks
-        if not gathered and _quantized_elsewhere(weight):  # e.g. torchao's quantize_: its GEMM
+        if not gathered and quantized_elsewhere(weight):  # e.g. torchao's quantize_: its GEMM
             return F.linear(x, weight, bias)
         if isinstance(weight, DTensor):  # tensor parallel: local GEMMs (tensor_parallel/)
-            weight, bias = _local_parameters(self, x)
+            weight, bias = local_parameters(self, x)
         if self.config.enable_fsdp_float8_all_gather and not gathered:
-            _require_float8_weight(weight)
+            require_float8_weight(weight)
         if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
-            _check_input_dtype(x)
+            check_input_dtype(x)
         if torch.is_autocast_enabled(x.device.type):
             if not isinstance(x, Float8Tensor):
                 x = x.to(torch.get_autocast_dtype(x.device.type))
         elif x.dtype != weight.dtype:
-            _refuse_dtype_mismatch(x.dtype, weight.dtype)
+            refuse_dtype_mismatch(x.dtype, weight.dtype)
         with torch.autocast(x.device.type, enabled=False):
             delayed = self.delayed_scaling
             states = delayed.views(is_training_forward(self)) if delayed is not None else {}
@@ -369,66 +359,3 @@ class Float8Linear(QuantizedLinear):
         c = self.config
         fsdp = ", fsdp_float8_all_gather=True" if c.enable_fsdp_float8_all_gather else ""
         return f"{super().extra_repr()}, cast_configs={cast_configs(c)}{fsdp}"
-
-
-def _local_parameters(module: Float8Linear, x: torch.Tensor):
-    """The local weight and bias of a TP Float8Linear (differentiable: their gradients
-    come back as DTensors of the same placements)."""
-    weight, bias = module.weight, module.bias
-    assert isinstance(weight, DTensor)  # the caller checked
-    if module.tensor_parallel is None:
-        raise TypeError(
-            f"this Float8Linear's weight is a DTensor {weight.placements} but the layer "
-            "was not parallelized with fsdp_float8's styles; use "
-            "the float8 styles of fsdp_float8.tensor_parallel.styles (Float8ColwiseParallel and "
-            "its row-parallel counterpart) in the parallelize_module plan (torch's "
-            "ColwiseParallel would run it on DTensors)"
-        )
-    if isinstance(x, DTensor):
-        raise TypeError(
-            f"a tensor-parallel Float8Linear got a DTensor input {x.placements}; its style "
-            "hands it a local tensor, so call the layer through its module (not .forward)"
-        )
-    local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-    return weight.to_local(), local_bias
-
-
-def _quantized_elsewhere(weight: torch.Tensor) -> bool:
-    """A weight another library replaced by its own tensor subclass (torchao's
-    `quantize_(model, Float8WeightOnlyConfig())` after training): that subclass knows its
-    GEMM (`F.linear` dispatches to it); casting it to float8 again would be wrong."""
-    # (tracing's fake and functional tensors are not wrapper subclasses: they stay here)
-    if not is_traceable_wrapper_subclass(weight):
-        return False
-    return not isinstance(weight, (DTensor, Float8Tensor, Float8WeightWrapper))
-
-
-def _check_input_dtype(x: torch.Tensor) -> None:
-    # nn.Linear raises on these; the float8 cast would otherwise truncate (int) or fail late
-    if not x.dtype.is_floating_point or x.dtype.itemsize == 1:
-        raise TypeError(
-            f"Float8Linear input has dtype {x.dtype}; expected a floating-point tensor "
-            "(float32, bfloat16, float16 or float64), as nn.Linear needs. Cast it with "
-            "x.float() (token ids go through an nn.Embedding first)"
-        )
-
-
-def _refuse_dtype_mismatch(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
-    # nn.Linear refuses it too; the float8 GEMMs would silently return the input's dtype
-    raise TypeError(
-        f"Float8Linear input has dtype {x_dtype} but its weight is {weight_dtype}; outside "
-        f"autocast both must match, as nn.Linear needs. Cast the input (x.to({weight_dtype})), "
-        "run the forward under torch.autocast, or give FSDP2 a MixedPrecisionPolicy("
-        "param_dtype=...) that casts the inputs of its modules"
-    )
-
-
-def _require_float8_weight(weight) -> None:
-    # under FSDP2 the weight is the gathered Float8Tensor; unsharded, the wrapper itself
-    if not isinstance(weight, (Float8Tensor, Float8WeightWrapper)):
-        raise TypeError(
-            f"this Float8Linear has enable_fsdp_float8_all_gather=True but its weight is a "
-            f"plain {type(weight).__name__}, which FSDP2 would gather in high precision; "
-            "assign weights with load_state_dict (the wrapper is kept) or call "
-            "layer.wrap_weight_for_fsdp() after replacing the weight, before fully_shard"
-        )

@@ -20,7 +20,8 @@ they are emulated (each operand dequantized to float32, one float32 matmul). A C
 below SM100 is refused without `emulate=True`, when the layer is built on it or at its
 first forward there. The weight is quantized, and on CUDA its two GEMM operands (the output
 GEMM's, grad_input's transposed) are built, once per unshard under FSDP2 and once per
-version of an unsharded weight's values; each GEMM takes them as they are.
+version of an unsharded weight's values (`nn/nvfp4_weight_cache.py`); each GEMM takes them
+as they are.
 
 Randomness is reproducible and needs no generator state: the Hadamard signs of a layer
 come from (seed, the layer's name); the rounding draws of a GEMM are a hash of (seed, the
@@ -36,14 +37,12 @@ names each layer; keep sensitive layers in high precision with `module_filter_fn
 from __future__ import annotations
 
 import re
-import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_float8.core import nvfp4, nvfp4_gemm
 from fsdp_float8.core.blocks import expand_block_scale
@@ -52,10 +51,10 @@ from fsdp_float8.core.gemms import PRIMARY_GEMM, Gemm, Operand, refuse_double_ba
 from fsdp_float8.core.randomized import layer_seed, pad_tokens, rounding_draws
 from fsdp_float8.core.scaling import tensor_amax
 from fsdp_float8.experts.nvfp4_experts import EXPERTS_CLASSES
-from fsdp_float8.formats.operands import GatheredOperands
 from fsdp_float8.nn.layer import QuantizedLinear
-from fsdp_float8.weight_wrappers.base import Float8WeightWrapper, plain_weight
-from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight, gemm_operand
+from fsdp_float8.nn.nvfp4_weight_cache import quantized_weight, release, weight_operand
+from fsdp_float8.weight_wrappers.base import plain_weight
+from fsdp_float8.weight_wrappers.nvfp4 import NVFP4FSDPWeight, NVFP4Weight
 
 
 @dataclass(frozen=True)
@@ -115,78 +114,6 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return tensor_amax(t).reshape(())
 
 
-@dataclass(eq=False)
-class _QuantizedWeight:
-    """A weight in 16x16 tiles and its CUDA GEMM operands (`weight_wrappers.nvfp4.
-    gemm_operand`), built once: per unshard (FSDP2's gathered `NVFP4Weight`), or per version
-    of an unsharded weight's values. `operands` None: each GEMM builds its operand itself."""
-
-    record: nvfp4.NVFP4
-    operands: GatheredOperands | None
-    key: tuple = ()
-
-
-# an unsharded weight -> its _QuantizedWeight for its current values, from a forward to the
-# first backward that uses it (a layer called twice in a step quantizes its weight once);
-# the forwards' autograd graphs hold it, so no memory outlives the backwards
-_UNSHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _values_key(weight: torch.Tensor) -> tuple | None:
-    """What identifies the values of an unsharded weight: its storage and version counters
-    (a wrapper's writes move its state's generation, not its inner tensor's counter; a
-    write through `weight.data` moves neither, as autograd does not see it either).
-    None where nothing may be kept: under torch.compile (the graph quantizes), inference
-    tensors (no version counter), inference mode (the record would be an inference tensor)."""
-    hp = plain_weight(weight)
-    if torch.compiler.is_compiling() or hp.is_inference() or torch.is_inference_mode_enabled():
-        return None
-    generation = weight._state.generation if isinstance(weight, Float8WeightWrapper) else -1
-    storage = hp.untyped_storage()._cdata
-    return (storage, hp.storage_offset(), tuple(hp.shape), hp._version, generation)
-
-
-def _quantized_weight(weight: torch.Tensor, four_over_six: bool) -> _QuantizedWeight:
-    """The weight in 16x16 tiles: as FSDP2 gathered it, or quantized here (unsharded) once
-    per version of its values."""
-    if isinstance(weight, NVFP4Weight):
-        # under torch.compile the operands are not part of the traced tensor: each GEMM
-        # builds its own, as the graph traces it
-        compiling = torch.compiler.is_compiling()
-        return _QuantizedWeight(weight.record, None if compiling else weight.operands)
-    hp = plain_weight(weight)
-    key = _values_key(weight)
-    key = None if key is None else (*key, four_over_six)
-    ref = None if key is None else _UNSHARDED.get(weight)
-    found = None if ref is None else ref()
-    if found is not None and found.key == key:
-        return found
-    record = nvfp4.quantize(hp, _amax(hp), nvfp4.WEIGHT_BLOCK, four_over_six=four_over_six)
-    if key is None:
-        return _QuantizedWeight(record, None)
-    found = _QuantizedWeight(record, GatheredOperands([]), key)
-    _UNSHARDED[weight] = weakref.ref(found)
-    return found
-
-
-def _release(weight: torch.Tensor, w: _QuantizedWeight) -> None:
-    """The first backward that used `w` ends its reuse by later forwards."""
-    ref = _UNSHARDED.get(weight)
-    if ref is not None and ref() is w:
-        del _UNSHARDED[weight]
-
-
-def _weight_operand(
-    w: _QuantizedWeight, gemm: Gemm, emulate: bool
-) -> nvfp4_gemm.GemmOperand | None:
-    """The weight's operand of the CUDA FP4 `gemm`, built once (`_QuantizedWeight`); None
-    where the GEMM takes the record itself: the emulated GEMM (CPU, `emulate`), which
-    dequantizes it, and a weight without an operands record (under torch.compile)."""
-    if w.operands is None or emulate or w.record.packed.device.type != "cuda":
-        return None
-    return gemm_operand(w.record, w.operands, gemm)
-
-
 # |x| / (block factor * tensor factor) beyond this clamps by more than rounding: the e2m1
 # max 6 plus half its step to the next power of two (8)
 _SATURATES_ABOVE = (nvfp4.E2M1_MAX + 8.0) / 2
@@ -226,8 +153,8 @@ class _NVFP4LinearFn(torch.autograd.Function):
         fos = layer.config.four_over_six
         qx = nvfp4.quantize(x2, _amax(x2), nvfp4.ACTIVATION_BLOCK, four_over_six=fos)
         emulate = layer.config.emulate
-        w = _quantized_weight(weight, fos)
-        operand = _weight_operand(w, Gemm.OUTPUT, emulate)
+        w = quantized_weight(weight, fos)
+        operand = weight_operand(w, Gemm.OUTPUT, emulate)
         if operand is None:
             out = nvfp4_gemm.nvfp4_mm(qx, w.record, x.dtype, emulate=emulate)
         else:
@@ -251,10 +178,10 @@ class _NVFP4LinearFn(torch.autograd.Function):
         act = nvfp4.ACTIVATION_BLOCK
         gen = rounding_draws(grad_out, layer.layer_seed, 0) if sr else None
         qgo = nvfp4.quantize(grad_out, _amax(grad_out), act, generator=gen, four_over_six=fos)
-        w = ctx.quantized or _quantized_weight(weight, fos)
+        w = ctx.quantized or quantized_weight(weight, fos)
         if ctx.quantized is not None:
-            _release(weight, ctx.quantized)
-        operand = _weight_operand(w, Gemm.GRAD_INPUT, cfg.emulate)
+            release(weight, ctx.quantized)
+        operand = weight_operand(w, Gemm.GRAD_INPUT, cfg.emulate)
         if operand is None:
             qwt = nvfp4.transposed(w.record)
             grad_x = nvfp4_gemm.nvfp4_mm(qgo, qwt, x2.dtype, emulate=cfg.emulate)

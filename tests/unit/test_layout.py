@@ -263,15 +263,16 @@ NVFP4_FILES = {
     "core/nvfp4_gemm.py",
     "experts/nvfp4_experts.py",
     "nn/nvfp4_linear.py",
+    "nn/nvfp4_weight_cache.py",
     "weight_wrappers/nvfp4.py",
 }
 
 
-def test_nvfp4_lives_in_its_six_files():
+def test_nvfp4_lives_in_its_seven_files():
     # the 4-bit format (numerics and GEMMs, the experts modules and their FSDP2 weight,
-    # the layer, the FSDP2 weight, the export) is named nowhere else in the package: other
-    # modules reach it through a config's `linear_class` / `experts_classes` and the
-    # weight wrapper hooks
+    # the layer and its quantized-weight cache, the FSDP2 weight, the export) is named
+    # nowhere else in the package: other modules reach it through a config's
+    # `linear_class` / `experts_classes` and the weight wrapper hooks
     naming = {
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
