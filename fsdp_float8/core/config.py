@@ -11,7 +11,9 @@ field type checks and the error class in `config_fields.py`, the named recipes i
 
 Field names follow the ones torchao users know, so switching is a change of import; a
 config built with torchao.float8 itself is converted field by field
-(`as_float8_linear_config`).
+(`as_float8_linear_config`). torchao's conventions (the cast fields' names, how an unset
+cast is filled in, what a foreign config's fields are) are in `config_torchao.py`; this
+module builds its classes from them.
 """
 
 from __future__ import annotations
@@ -20,19 +22,13 @@ import dataclasses
 import enum
 import warnings
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
 
 from fsdp_float8.core import families, scaling
-from fsdp_float8.core.config_fields import (
-    Float8ConfigError,
-    check_field_types,
-    coerce_enum,
-    filled,
-    mark_filled,
-)
+from fsdp_float8.core.config_fields import Float8ConfigError, check_field_types, coerce_enum
 from fsdp_float8.core.config_rules import (
     check_block_cast,
     check_cast_pairs,
@@ -40,14 +36,15 @@ from fsdp_float8.core.config_rules import (
     check_no_e5m2_pair,
     check_static_scale,
 )
-from fsdp_float8.core.gemms import (
-    OPERAND_GEMMS,
-    OPERANDS,
-    PRIMARY_GEMM,
-    SECOND_GEMM,
-    Gemm,
-    Operand,
+from fsdp_float8.core.config_torchao import (
+    CAST_FIELD,
+    FOREIGN_GEMM_FIELDS,
+    filled_casts,
+    foreign_fields,
+    foreign_linear_fields,
+    type_name,
 )
+from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Operand
 from fsdp_float8.core.recipes import Float8LinearRecipeName, recipe_fields
 
 E4M3 = torch.float8_e4m3fn
@@ -184,17 +181,6 @@ class Float8GemmConfig:
         check_field_types(self)
 
 
-# the config field of each cast, torchao's names: an operand's primary cast is
-# `cast_config_<operand>`, its second `cast_config_<operand>_for_<gemm>`
-_OPERAND_FIELD = {
-    (op, gemm): f"cast_config_{op.value}"
-    + ("" if gemm is PRIMARY_GEMM[op] else f"_for_{gemm.value}")
-    for op in OPERANDS
-    for gemm in OPERAND_GEMMS[op]
-}
-_DEFAULT_DTYPE = {Operand.INPUT: E4M3, Operand.WEIGHT: E4M3, Operand.GRAD_OUTPUT: E5M2}
-
-
 @dataclass(frozen=True)
 class Float8LinearConfig:
     """Everything a `Float8Linear` needs to know.
@@ -250,14 +236,14 @@ class Float8LinearConfig:
                 DeprecationWarning,
                 stacklevel=3,
             )
-        casts = {key: self.cast(*key) for key in _OPERAND_FIELD}
+        casts = {key: self.cast(*key) for key in CAST_FIELD}
         check_cast_pairs(
             casts,
             fsdp_all_gather=self.enable_fsdp_float8_all_gather,
             save_input_in_float8=self.save_input_in_float8,
         )
         check_linear_blocks(
-            {_OPERAND_FIELD[key]: cast for key, cast in casts.items()},
+            {CAST_FIELD[key]: cast for key, cast in casts.items()},
             pad_inner_dim=self.pad_inner_dim,
             power_of_2=self.round_scales_to_power_of_2,
         )
@@ -274,21 +260,17 @@ class Float8LinearConfig:
                 object.__setattr__(self, f.name, foreign_part(value, f.name))
 
     def _resolve(self, operand: Operand) -> None:
-        """Fill the operand's second-use config and both target dtypes (values filled by
-        an earlier resolution, passed back by `dataclasses.replace`, are derived again)."""
-        first_name = _OPERAND_FIELD[(operand, PRIMARY_GEMM[operand])]
-        second_name = _OPERAND_FIELD[(operand, SECOND_GEMM[operand])]
-        first = _with_dtype(_as_given(getattr(self, first_name)), operand)
-        second = getattr(self, second_name)
-        if second is None or filled(second) == "copy":
-            second = mark_filled(replace(first), "copy")
-        else:
-            second = _with_dtype(_as_given(second), operand)
+        """Fill the operand's second-use config and both target dtypes, as torchao fills
+        them (`config_torchao.filled_casts`)."""
+        first_name = CAST_FIELD[(operand, PRIMARY_GEMM[operand])]
+        second_name = CAST_FIELD[(operand, SECOND_GEMM[operand])]
+        given = (getattr(self, first_name), getattr(self, second_name))
+        first, second = filled_casts(*given, operand)
         object.__setattr__(self, first_name, first)
         object.__setattr__(self, second_name, second)
 
     def cast(self, operand: Operand, gemm: Gemm) -> CastConfig:
-        return getattr(self, _OPERAND_FIELD[(operand, gemm)])
+        return getattr(self, CAST_FIELD[(operand, gemm)])
 
     def float8_dtype(self, operand: Operand, gemm: Gemm) -> torch.dtype:
         dtype = self.cast(operand, gemm).target_dtype
@@ -320,15 +302,15 @@ class Float8LinearConfig:
 
     def any_float8(self) -> bool:
         """False when every cast is disabled (all three GEMMs in high precision)."""
-        return any(self.cast(op, g).enabled for (op, g) in _OPERAND_FIELD)
+        return any(self.cast(op, g).enabled for (op, g) in CAST_FIELD)
 
     def uses_block_scales(self) -> bool:
         """True when any operand of any GEMM is cast with block scales (blockwise, mxfp8),
         which refuse pad_inner_dim."""
-        return any(self.cast(op, g).block_shape is not None for (op, g) in _OPERAND_FIELD)
+        return any(self.cast(op, g).block_shape is not None for (op, g) in CAST_FIELD)
 
     def scaling_types(self) -> set[ScalingType]:
-        return {self.cast(op, g).scaling_type for (op, g) in _OPERAND_FIELD}
+        return {self.cast(op, g).scaling_type for (op, g) in CAST_FIELD}
 
     @classmethod
     def from_recipe_name(
@@ -362,20 +344,6 @@ class Float8LinearConfig:
         return cls.from_recipe_name(Float8LinearRecipeName.MXFP8, **overrides)
 
 
-def _as_given(cfg: CastConfig) -> CastConfig:
-    """The cast config as the user gave it (undo a target_dtype we filled in)."""
-    return replace(cfg, target_dtype=None) if filled(cfg) == "dtype" else cfg
-
-
-def _with_dtype(cfg: CastConfig, operand: Operand) -> CastConfig:
-    if cfg.target_dtype is not None:
-        return cfg
-    return mark_filled(replace(cfg, target_dtype=_DEFAULT_DTYPE[operand]), "dtype")
-
-
-_FOREIGN_CAST_FIELDS = ("scaling_type", "scaling_granularity", "target_dtype")
-
-
 def _is_foreign(value: object) -> bool:
     ours = (CastConfig, Float8GemmConfig)
     return dataclasses.is_dataclass(value) and not isinstance(value, (type, *ours))
@@ -384,29 +352,19 @@ def _is_foreign(value: object) -> bool:
 def foreign_part(value: object, field: str) -> CastConfig | Float8GemmConfig:
     """A foreign cast or GEMM config (torchao.float8's) given inside this package's
     `Float8LinearConfig`, as this package's."""
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    return foreign_value(value, f"Float8LinearConfig.{field}", kind)  # type: ignore[return-value]
+    where = f"Float8LinearConfig.{field}"
+    return foreign_value(value, where, type_name(value))  # type: ignore[return-value]
 
 
 def foreign_value(value: Any, where: str, kind: str) -> object:
     """A field value of a foreign config (torchao.float8's): a cast or GEMM config
-    dataclass as this package's, an enum by its value, anything else as it is."""
+    dataclass as this package's (`config_torchao.foreign_fields`), an enum by its value,
+    anything else as it is."""
     if isinstance(value, (CastConfig, Float8GemmConfig)) or not dataclasses.is_dataclass(value):
         return value.value if isinstance(value, enum.Enum) else value
-    kw = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if tuple(kw) == ("use_fast_accum",):
+    kw = foreign_fields(value, where, kind)
+    if tuple(kw) == FOREIGN_GEMM_FIELDS:
         return Float8GemmConfig(kw["use_fast_accum"])
-    extra = [n for n in kw if n not in _FOREIGN_CAST_FIELDS]
-    if not set(_FOREIGN_CAST_FIELDS) <= set(kw) or extra:
-        raise Float8ConfigError(
-            f"{where}={value!r} (in a {kind}) is neither a cast config "
-            f"({_FOREIGN_CAST_FIELDS}) nor a GEMM config (use_fast_accum)"
-            f"{'; unknown fields ' + str(extra) if extra else ''}; "
-            "build an fsdp_float8.Float8LinearConfig instead"
-        )
-    for n in ("scaling_type", "scaling_granularity"):
-        if isinstance(kw[n], enum.Enum):
-            kw[n] = kw[n].value
     return CastConfig(**kw)
 
 
@@ -423,25 +381,5 @@ def as_float8_linear_config(config: object, argument: str = "config") -> Float8L
         return Float8LinearConfig()
     if isinstance(config, Float8LinearConfig):
         return config
-    kind = f"{type(config).__module__}.{type(config).__qualname__}"
-    if not dataclasses.is_dataclass(config) or isinstance(config, type):
-        raise TypeError(
-            f"{argument}={config!r} has type {kind}; expected an fsdp_float8."
-            "Float8LinearConfig (torchao.float8's Float8LinearConfig is converted too), e.g. "
-            f"Float8LinearConfig.from_recipe_name({families.DEFAULT_RECIPE!r})"
-        )
-    fields: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        if f.name not in _LINEAR_FIELDS:
-            raise Float8ConfigError(
-                f"{argument} is a {kind} whose field {f.name}="
-                f"{getattr(config, f.name)!r} fsdp_float8.Float8LinearConfig does not have; "
-                "build an fsdp_float8.Float8LinearConfig instead (its fields: "
-                f"{sorted(_LINEAR_FIELDS)})"
-            )
-        fields[f.name] = foreign_value(getattr(config, f.name), f"{argument}.{f.name}", kind)
-    for op in OPERANDS:
-        first, second = (_OPERAND_FIELD[(op, g)] for g in (PRIMARY_GEMM[op], SECOND_GEMM[op]))
-        if second in fields and fields[second] == fields.get(first):
-            fields[second] = None  # torchao's default, resolved: ours resolves it alike
+    fields = foreign_linear_fields(config, argument, _LINEAR_FIELDS, foreign_value)
     return Float8LinearConfig(**fields)

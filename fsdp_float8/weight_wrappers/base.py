@@ -30,11 +30,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_float8.core.amax_sync import shard_group
-from fsdp_float8.core.families import one_scale, recipes_where
 from fsdp_float8.core.float8_tensor import normal_outputs
 from fsdp_float8.core.gemms import CONTRACTION_DIM, Gemm, Operand
 from fsdp_float8.core.scaling import ScalingStrategy, cast_to_float8_data
 from fsdp_float8.weight_wrappers.cast import LayerConfig, WeightCast
+from fsdp_float8.weight_wrappers.refusals import refuse_cpu_offload, refuse_shards_across_rows
 from fsdp_float8.weight_wrappers.state import _WRITTEN, WeightState, written_args
 
 aten = torch.ops.aten
@@ -267,9 +267,9 @@ class Float8WeightWrapper(torch.Tensor):
         packed = self._state.packed_for((mesh, tuple(outer_size), self.shape))
         if packed is not None:
             return packed
-        _refuse_cpu_offload(self, module)
+        refuse_cpu_offload(self, module)
         if self.needs_row_shards and tuple(self.shape[1:]) != tuple(outer_size[1:]):
-            _refuse_shards_across_rows(self, outer_size, module)
+            refuse_shards_across_rows(self, outer_size, module)
         # scales, stamps and packs outlive this unshard (training reuses them): never
         # inference tensors, also when the first forward runs under torch.inference_mode()
         with torch.inference_mode(False):
@@ -333,36 +333,6 @@ class Float8WeightWrapper(torch.Tensor):
         if scale is self._state._scale:
             self._state.remember_pack((mesh, tuple(outer_size), self.shape), packed)
         return packed
-
-
-def _refuse_cpu_offload(moved: Float8WeightWrapper, module) -> None:
-    """Under FSDP2's CPUOffloadPolicy the sharded weight stays on the CPU and the pre-hook
-    runs on a copy moved to the GPU: a scale made from the CPU shard (precompute, delayed
-    state) would sit on the wrong device. Every rank sees the same, so every rank raises."""
-    sharded = getattr(getattr(module, moved.param_name, None), "_local_tensor", None)
-    if sharded is not None and sharded.device != moved.device:
-        raise ValueError(
-            f"float8 all-gather of a weight offloaded to {sharded.device} and gathered on "
-            f"{moved.device} (FSDP2 offload_policy=CPUOffloadPolicy()) is not supported; "
-            "drop the offload policy or set enable_fsdp_float8_all_gather=False"
-        )
-
-
-def _refuse_shards_across_rows(shard: Float8WeightWrapper, outer_size, module) -> None:
-    """FSDP2 with `shard_placement_fn` returning Shard(d), d > 0, cuts every row: a format
-    whose scales are laid along the rows cannot be packed per shard. The shard's shape says
-    so on every rank (a dim-0 shard keeps the other dims whole), so every rank raises."""
-    cut = [d for d in range(1, len(outer_size)) if shard.shape[d] != outer_size[d]]
-    if cut:
-        raise ValueError(
-            f"float8 all-gather of the {tuple(outer_size)} {shard.param_name} of "
-            f"{type(module).__name__} sharded as Shard({cut[0]}) (fully_shard("
-            f"shard_placement_fn=...)) is not supported by its format "
-            f"({type(shard).__name__}): its scales follow the rows, so each rank must hold "
-            "whole rows (Shard(0), FSDP2's default). Return Shard(0) for this weight from "
-            f"shard_placement_fn (or drop it), use the {recipes_where(one_scale)} recipe, or set "
-            "enable_fsdp_float8_all_gather=False (gathered in high precision, cast after)"
-        )
 
 
 _COPY = aten.copy_.default
