@@ -141,17 +141,29 @@ def tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
 _MAX_GROUPS = 8192  # see `stacked_scales`
 
 
-def rows_then_tensor_amax(hp: torch.Tensor) -> torch.Tensor:
-    """`tensor_amax` (0-d float32) as the max of each row's max |x| (exact: max is
-    associative). A cast that does not wait for this amax (a synced delayed scale) reads
-    the same values over the same rows, so compiled for a GPU the row maxes join the cast's
-    kernel: one pass over the tensor, then a small reduction of the row maxes. (Groups of
-    rows, as `stacked_scales` reduces, would leave fewer maxes, but Inductor does not fuse
-    a reduction over groups with the cast's loop.)"""
+def rows_then_tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+    """`tensor_amax` as the max of each row's max |x| (the same value: max is associative).
+    Compiled for a GPU, the row maxes join the kernel of a loop over the same rows: the
+    cast's, when it does not wait for this amax (a synced delayed scale), or the producer's
+    (a norm, a pointwise op); then a small reduction of the row maxes. (Groups of rows, as
+    `stacked_scales` reduces, would leave fewer maxes, but Inductor does not fuse a
+    reduction over groups with such a loop.)"""
     hp = hp.detach()
     if hp.dim() < 2 or hp.numel() == 0:
-        return tensor_amax(hp)
-    return hp.abs().amax(dim=-1).amax().to(torch.float32)
+        return tensor_amax(hp, exact=exact)
+    amax = hp.abs().amax(dim=-1).amax()
+    return amax if exact else amax.to(torch.float32)
+
+
+# Inductor splits a reduction over a row longer than this into two kernels when there are
+# few rows; up to it, a row's max is one loop of the row's kernel
+_UNSPLIT_ROW = 8192
+
+
+def _rows_first(hp: torch.Tensor) -> bool:
+    """Whether a compiled GPU amax of `hp` takes its row maxes first: rows that Inductor
+    reduces in one loop each."""
+    return hp.dim() >= 2 and hp.shape[-1] <= _UNSPLIT_ROW
 
 
 def stacked_scales(
@@ -319,6 +331,11 @@ class Tensorwise(_FamilyFacts):
         return None
 
     def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
+        # compiled for a GPU, row maxes first: they join the producer's kernel (a norm, a
+        # pointwise op), so no pass of its own reads hp for the amax (eager, and on CPU,
+        # one reduction is fewer kernels)
+        if torch.compiler.is_compiling() and hp.is_cuda and _rows_first(hp):
+            return rows_then_tensor_amax(hp, exact=exact)
         return tensor_amax(hp, exact=exact)
 
     def cast(self, hp, scale, dim, float8_dtype, *, column_major=False, saturate=True):

@@ -47,7 +47,7 @@ PINNED = {
     ("layernorm_mlp", "tensorwise"): ((8, 14), (13, 16)),
     ("layernorm_mlp", "rowwise"): ((5, 18), (5, 28)),
     ("layernorm_mlp", "rowwise_with_gw_hp"): ((6, 13), (5, 18)),
-    ("attention", "tensorwise"): ((12, 15), (25, 19)),
+    ("attention", "tensorwise"): ((12, 16), (25, 19)),
     ("attention", "rowwise"): ((14, 21), (16, 32)),
     ("attention", "rowwise_with_gw_hp"): ((14, 16), (11, 25)),
 }
