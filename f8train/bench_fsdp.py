@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from f8train.bench_common import (
-    OpCounter,
     Report,
     bench_parser,
     fmt,
@@ -42,6 +41,7 @@ from f8train.bench_common import (
 )
 from f8train.float8_flags import float8_filter
 from f8train.model import Transformer, model_args
+from f8train.op_counter import OpCounter
 from f8train.rank_exit import enable_crash_traces, exit_rank
 from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training, float8_step
 from fsdp_float8.tools.comm_stats import CollectiveCounter

@@ -23,7 +23,6 @@ from torch import nn
 
 from f8train.bench_common import (
     ERROR,
-    OpCounter,
     Report,
     bench_parser,
     column,
@@ -38,6 +37,7 @@ from f8train.bench_common import (
     time_ms,
     write_json,
 )
+from f8train.op_counter import OpCounter
 from fsdp_float8 import Float8Linear, Float8LinearConfig
 from fsdp_float8.core.numerics import sqnr_db
 

@@ -1,27 +1,23 @@
 """Checkpoints of ``f8train.train``: one DCP folder per save, ``OUT/checkpoints/step_00000042/``.
 
 A save writes the ``Stateful`` objects below (DCP reshards on load: a 2-rank checkpoint loads
-on 1 or 4), then ``manifest.json``: each file's size and sha256 (each rank hashes a share)
-and the run settings. The manifest marks a finished save; ``verify`` checks a folder against
-it and gives every rank the same sorted findings. DCP's ``.metadata`` is a pickle, which
-can run code when loaded: nothing in a folder is unpickled before the folder is verified
-against its manifest, and a folder without a valid manifest is never loaded. Nothing that
-could load is deleted: a folder without a manifest is an interrupted save only when
-``dcp_problem`` (file names alone) finds DCP's files missing; one in a save's way is renamed
-``step_N.set_aside``.
+on 1 or 4), then ``manifest.json`` (``f8train.checkpoint_manifest``: each file's size and
+sha256, and the run settings), which marks a finished save; ``verify`` checks a folder
+against it and gives every rank the same sorted findings. DCP's ``.metadata`` is a pickle,
+which can run code when loaded: nothing in a folder is unpickled before the folder is
+verified against its manifest, and a folder without a valid manifest is never loaded.
+Nothing that could load is deleted: a folder without a manifest is an interrupted save only
+when ``dcp_problem`` (file names alone) finds DCP's files missing; one in a save's way is
+renamed ``step_N.set_aside``.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
-import os
 import re
 import resource
 import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
@@ -37,11 +33,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from f8train.process_group import all_gather_object, broadcast_from_0, rank_world
+from f8train.checkpoint_manifest import (
+    FORMAT,  # noqa: F401  (importable from here as well)
+    MANIFEST,
+    read_manifest,  # noqa: F401  (importable from here as well)
+    verify,  # noqa: F401  (importable from here as well)
+    write_manifest,
+)
+from f8train.process_group import all_gather_object, broadcast_from_0
 from f8train.train_log import fmt_bytes
 
-MANIFEST = "manifest.json"
-FORMAT = 1
 SET_ASIDE = "set_aside"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _SPACE_MARGIN = 1.10  # beyond the estimated size of a checkpoint (metadata, the manifest)
@@ -77,98 +78,6 @@ def free_bytes(path: Path) -> int:
     """Free bytes on the file system of ``path`` (its nearest existing parent)."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     return shutil.disk_usage(existing).free
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _each_rank_a_share(names: list[str], fn: Callable[[str], Any]) -> dict[str, Any]:
-    """``{name: fn(name)}`` over all ``names``, each rank computing a share (collective)."""
-    rank, world = rank_world()
-    mine = {n: fn(n) for n in names[rank::world]}
-    return {k: v for part in all_gather_object(mine) for k, v in part.items()}
-
-
-def write_manifest(path: Path, *, step: int, settings: dict[str, Any]) -> None:
-    """Hash the saved folder (collective) and, on rank 0, write ``manifest.json`` (to a
-    temporary name, then renamed)."""
-    rank, world = rank_world()
-    names = None
-    if rank == 0:
-        found = (p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
-        names = sorted(n for n in found if n != MANIFEST and not n.startswith(f"{MANIFEST}."))
-    files = _each_rank_a_share(
-        broadcast_from_0(names),
-        lambda n: {"bytes": (path / n).stat().st_size, "sha256": _sha256(path / n)},
-    )
-    manifest = {"format": FORMAT, "step": step, "world_size": world, "settings": settings}
-    manifest["files"] = dict(sorted(files.items()))
-    if rank == 0:
-        tmp = path / f"{MANIFEST}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-        os.replace(tmp, path / MANIFEST)
-
-
-def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """``(manifest, None)``, or ``(None, why it cannot be used)``."""
-    file = Path(path) / MANIFEST
-    if not file.is_file():
-        return None, f"no {MANIFEST} (the save did not finish, or f8train.train did not write it)"
-    try:
-        manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        return None, f"{MANIFEST} cannot be read ({type(err).__name__}: {err})"
-    if (problem := _manifest_shape_problem(manifest)) is not None:
-        return None, (
-            f"{MANIFEST} is not a format-{FORMAT} manifest with a file list ({problem}); "
-            "f8train.train writes it at the end of each save"
-        )
-    return manifest, None
-
-
-def _manifest_shape_problem(manifest: object) -> str | None:
-    """What in ``manifest`` (parsed JSON) is not as ``write_manifest`` writes it."""
-    if not isinstance(manifest, dict):
-        return f"a JSON {type(manifest).__name__}, not an object"
-    if manifest.get("format") != FORMAT:
-        return f"format {manifest.get('format')!r}"
-    step, files = manifest.get("step"), manifest.get("files")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        return f"step {step!r}, not a step number"
-    if not isinstance(manifest.get("settings"), dict | None):
-        return "settings are not an object"
-    if not isinstance(files, dict) or ".metadata" not in files:
-        return "no file list naming .metadata"
-    for name, entry in files.items():
-        size = entry.get("bytes") if isinstance(entry, dict) else None
-        if not isinstance(size, int) or not isinstance(entry.get("sha256"), str):
-            return f"the entry of {name!r} is not bytes and sha256"
-    return None
-
-
-def _check(path: Path, name: str, expected: dict[str, Any]) -> str | None:
-    file = path / name
-    if not file.is_file():
-        return f"{name}: missing (listed in the manifest, not on disk)"
-    size = file.stat().st_size
-    if size != expected.get("bytes"):
-        return f"{name}: {size} bytes on disk, {expected.get('bytes')} when saved"
-    if _sha256(file) != expected.get("sha256"):
-        return f"{name}: contents changed since the save (sha256 differs)"
-    return None
-
-
-def verify(path: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """Check a checkpoint against its manifest (collective, same answer on every rank).
-    Returns the manifest and a sorted line per damaged file, ``file: what`` (none: intact)."""
-    manifest, why = broadcast_from_0(read_manifest(path) if rank_world()[0] == 0 else None)
-    if manifest is None:
-        return None, [f"{MANIFEST}: {why}"]
-    files = manifest["files"]
-    found = _each_rank_a_share(sorted(files), lambda n: _check(path, n, files[n]))
-    return manifest, sorted(p for p in found.values() if p is not None)
 
 
 @dataclass

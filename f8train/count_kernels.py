@@ -12,7 +12,7 @@ torchao's float8 where it imports: inductor's kernels for one SwiGLU block, forw
 backward, and the non-view aten ops of one steady FSDP2 step on 2 gloo ranks (`top` as a
 dispatch mode sees them, `deep` inside the float8 subclasses too). For that step also the
 bytes the `deep` ops other than GEMMs and collectives write, in MB (10^6 bytes) per rank:
-fresh outputs and in-place targets, no views (`bench_common.written_bytes`).
+fresh outputs and in-place targets, no views (`op_counter.written_bytes`).
 
 `--gpu h100|b200` instead lowers the SwiGLU block as Inductor does for that GPU (on a CPU,
 with the CUDA build of torch 2.11: f8train/gpu_codegen.py) at a small shape and at Llama-3
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from f8train.bench_common import (
-    OpCounter,
     markdown_table,
     parse_choices,
     short_error,
@@ -43,6 +42,7 @@ from f8train.bench_common import (
 )
 from f8train.bench_fsdp import AG, PRESETS, build, convert, train_step
 from f8train.model import FeedForward
+from f8train.op_counter import OpCounter
 from f8train.rank_exit import exit_rank
 from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
 

@@ -21,10 +21,10 @@ lists every launch, and each kernel's own estimate of the bytes it moves.
 - Inductor's joint-graph constant folding, which runs 1-element ops for real to learn a
   uniform value: on the CPU instead of cuda (same value; the folded node keeps its meta);
 - Triton's active driver: a `CudaDriver` that never loads libcuda, whose target is
-  `GPUTarget("cuda", 90 | 100, 32)`;
+  `GPUTarget("cuda", 90 | 100, 32)` (`f8train/gpu_triton.py`);
 - `AsyncCompile.triton`: each kernel is compiled by Triton for that target (every
   autotune config, down to cubin with ptxas, or only to Triton's source with
-  `cubin=False`) and a stub that refuses to launch is returned;
+  `cubin=False`) and a stub that refuses to launch is returned (`f8train/gpu_triton.py`);
 - `GraphLowering.compile_to_module`: each wrapper module is recorded (`CodegenLog.graphs`);
 - `torch._functorch.config.force_non_lazy_backward_lowering`: the backward graph is
   lowered when the forward is compiled, so a forward call yields both;
@@ -58,6 +58,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from f8train.gpu_autograd import python_grad
 from f8train.gpu_kernels import (  # noqa: F401  (importable from here as well)
@@ -74,6 +75,7 @@ from f8train.gpu_kernels import (  # noqa: F401  (importable from here as well)
     roofline_seconds,
     summaries,
 )
+from f8train.gpu_triton import codegen_only_driver, compiling_triton
 
 TORCH_VERSION = "2.11."
 TRITON_VERSION = "3.6."
@@ -134,119 +136,27 @@ def _on_cuda(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and any(_on_cuda(y) for y in x)
 
 
-class _StubKernel:
-    def __init__(self, name: str):
-        self.name = name
-
-    def run(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"gpu_codegen: kernel {self.name} was built, not loaded")
-
-
-def _triton_driver(props: SimpleNamespace):
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.driver import CudaDriver
-
-    capability = (props.major, props.minor)
-
-    class _Utils:
-        def get_device_properties(self, device: int) -> dict:
-            return {
-                "max_shared_mem": props.shared_memory_per_block_optin,
-                "multiprocessor_count": props.multi_processor_count,
-                "max_num_regs": props.regs_per_multiprocessor,
-                "warpSize": props.warp_size,
-            }
-
-        def load_binary(self, *args: Any, **kwargs: Any) -> None:
-            raise RuntimeError("gpu_codegen: no driver loads a cubin here")
-
-    class CodegenOnlyDriver(CudaDriver):
-        def __init__(self) -> None:  # CudaDriver's own builds its utils against libcuda
-            self.utils = _Utils()
-            self.launcher_cls = None
-
-        def get_current_target(self) -> Any:
-            return GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-
-        def get_device_capability(self, device: int | None = None) -> tuple[int, int]:
-            return capability
-
-        def get_current_device(self) -> int:
-            return 0
-
-        def set_current_device(self, device: int) -> None:
-            pass
-
-        def get_current_stream(self, device: int | None = None) -> int:
-            return 0
-
-        def is_active(self) -> bool:
-            return True
-
-    return CodegenOnlyDriver()
-
-
 def _cpu_device(d: Any) -> Any:
     if isinstance(d, (torch.device, str)) and torch.device(d).type == "cuda":
         return torch.device("cpu")
     return d
 
 
-@contextlib.contextmanager
-def gpu_codegen(gpu: str = "h100", *, cubin: bool = True) -> Iterator[CodegenLog]:
-    """Compile for `gpu` ("h100" or "b200") with no GPU; yields the `CodegenLog`."""
-    check_versions()
-    import torch._inductor.fx_passes.fuse_attention as fuse_attention
-    import torch._inductor.fx_passes.misc_patterns as misc_patterns
-    import torch._subclasses.fake_tensor as fake_tensor
-    from torch._dynamo.device_interface import CudaInterface
-    from torch._inductor import async_compile
-    from torch._inductor.constant_folding import ConstantFolder
-    from torch._inductor.graph import GraphLowering
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.driver import driver as triton_driver
+class _CudaOnCpu(TorchDispatchMode):
+    """Ops told to make a tensor on cuda, or to move one there, use the CPU instead."""
 
-    props = GPUS[gpu]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if func is torch.ops.prims.device_put.default:
+            args = (args[0], _cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _device_queries(props: SimpleNamespace) -> tuple[dict[str, Callable], dict[str, Callable]]:
+    """`torch.cuda`'s and Dynamo's `CudaInterface`'s answers for the one device `props`."""
     capability = (props.major, props.minor)
-    log = CodegenLog()
-    original_grad = torch.autograd.grad
-    original_compile = GraphLowering.compile_to_module
-    original_fold = ConstantFolder.run
-
-    def grad(outputs, inputs, *args, **kwargs):
-        if _on_cuda(outputs) or _on_cuda(inputs):
-            return python_grad(outputs, inputs, *args, **kwargs)
-        return original_grad(outputs, inputs, *args, **kwargs)
-
-    def triton(self, kernel_name: str, source_code: str, device_str: str = "cuda"):
-        record: dict = {"name": kernel_name, "src": source_code, "configs": 0}
-        if cubin:
-            kernel = async_compile._load_triton_kernel_from_source(kernel_name, source_code)
-            kernel.precompile(warm_cache_only=True)  # triton.compile per config, no launcher
-            record["configs"] = len(kernel.compile_results)
-        log.kernels.append(record)
-        return _StubKernel(kernel_name)
-
-    def compile_to_module(self):
-        module = original_compile(self)
-        kind = "backward" if self.is_backward else "inference" if self.is_inference else "forward"
-        with open(module.__file__) as f:
-            log.graphs.append({"kind": kind, "path": module.__file__, "src": f.read()})
-        return module
-
-    class _CudaOnCpu(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if "device" in kwargs:
-                kwargs["device"] = _cpu_device(kwargs["device"])
-            if func is torch.ops.prims.device_put.default:
-                args = (args[0], _cpu_device(args[1]), *args[2:])
-            return func(*args, **kwargs)
-
-    def fold(self, *args, **kwargs):
-        with _CudaOnCpu():
-            return original_fold(self, *args, **kwargs)
-
     cuda = {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -273,44 +183,119 @@ def gpu_codegen(gpu: str = "h100", *, cubin: bool = True) -> Iterator[CodegenLog
         "is_bf16_supported": lambda *a, **k: True,
         "get_compute_capability": lambda device=None: capability[0] * 10 + capability[1],
     }
+    return cuda, interface
+
+
+def _device_patches(props: SimpleNamespace) -> list[contextlib.AbstractContextManager]:
+    """A GPU that answers every query and is never initialised: `torch.cuda` and Dynamo's
+    `CudaInterface` report `props`, `torch.accelerator` none, FakeTensorMode no GPU context."""
+    import torch._subclasses.fake_tensor as fake_tensor
+    from torch._dynamo.device_interface import CudaInterface
+
+    cuda, interface = _device_queries(props)
+    return [
+        *(mock.patch.object(torch.cuda, name, value) for name, value in cuda.items()),
+        *(mock.patch.object(CudaInterface, n, staticmethod(v)) for n, v in interface.items()),
+        mock.patch.object(torch.accelerator, "is_available", lambda: False),
+        mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None),
+        mock.patch.object(
+            fake_tensor.FakeTensorMode, "avoid_device_init", property(lambda self: True)
+        ),
+    ]
+
+
+def _recording_lowering(log: CodegenLog, original: Callable) -> Callable:
+    """`GraphLowering.compile_to_module`'s stand-in: the original, its module noted in `log`."""
+
+    def compile_to_module(self):
+        module = original(self)
+        kind = "backward" if self.is_backward else "inference" if self.is_inference else "forward"
+        with open(module.__file__) as f:
+            log.graphs.append({"kind": kind, "path": module.__file__, "src": f.read()})
+        return module
+
+    return compile_to_module
+
+
+def _folding_on_cpu(original: Callable) -> Callable:
+    """`ConstantFolder.run`'s stand-in: the original with cuda placements made on the CPU."""
+
+    def fold(self, *args, **kwargs):
+        with _CudaOnCpu():
+            return original(self, *args, **kwargs)
+
+    return fold
+
+
+def _python_grad_on_cuda(original: Callable) -> Callable:
+    """`torch.autograd.grad`'s stand-in: the Python walk for cuda tensors, else the original."""
+
+    def grad(outputs, inputs, *args, **kwargs):
+        if _on_cuda(outputs) or _on_cuda(inputs):
+            return python_grad(outputs, inputs, *args, **kwargs)
+        return original(outputs, inputs, *args, **kwargs)
+
+    return grad
+
+
+def _lowering_patches(log: CodegenLog, cubin: bool) -> list[contextlib.AbstractContextManager]:
+    """Inductor's lowering with no GPU (the module docstring lists each patch), every Triton
+    kernel and wrapper module it produces recorded in `log`."""
+    import torch._inductor.fx_passes.fuse_attention as fuse_attention
+    import torch._inductor.fx_passes.misc_patterns as misc_patterns
+    from torch._inductor import async_compile
+    from torch._inductor.constant_folding import ConstantFolder
+    from torch._inductor.graph import GraphLowering
+
+    triton = compiling_triton(log.kernels, cubin)
+    lowering = _recording_lowering(log, GraphLowering.compile_to_module)
+    return [
+        mock.patch.object(fuse_attention, "_sfdp_init", lambda *a, **k: None),
+        mock.patch.object(misc_patterns, "_misc_patterns_init", lambda *a, **k: None),
+        mock.patch.object(ConstantFolder, "run", _folding_on_cpu(ConstantFolder.run)),
+        mock.patch.object(async_compile.AsyncCompile, "triton", triton),
+        mock.patch.object(GraphLowering, "compile_to_module", lowering),
+        mock.patch.object(torch.autograd, "grad", _python_grad_on_cuda(torch.autograd.grad)),
+        torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
+        torch._inductor.config.patch(
+            force_disable_caches=True, compile_threads=1, benchmark_kernel=True
+        ),
+    ]
+
+
+@contextlib.contextmanager
+def _codegen_driver(props: SimpleNamespace) -> Iterator[None]:
+    """Triton's active driver the codegen-only one for `props` (the saved one back on exit);
+    Dynamo reset, its counters cleared and Inductor's device caches emptied both ways."""
+    from triton.runtime.driver import driver as triton_driver
+
     saved_driver = (triton_driver._default, triton_driver._active)
-    with contextlib.ExitStack() as stack:
-        patch = stack.enter_context
-        for name, value in cuda.items():
-            patch(mock.patch.object(torch.cuda, name, value))
-        for name, value in interface.items():
-            patch(mock.patch.object(CudaInterface, name, staticmethod(value)))
-        patch(mock.patch.object(torch.accelerator, "is_available", lambda: False))
-        patch(mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None))
-        patch(
-            mock.patch.object(
-                fake_tensor.FakeTensorMode, "avoid_device_init", property(lambda self: True)
-            )
-        )
-        patch(mock.patch.object(fuse_attention, "_sfdp_init", lambda *a, **k: None))
-        patch(mock.patch.object(misc_patterns, "_misc_patterns_init", lambda *a, **k: None))
-        patch(mock.patch.object(ConstantFolder, "run", fold))
-        patch(mock.patch.object(async_compile.AsyncCompile, "triton", triton))
-        patch(mock.patch.object(GraphLowering, "compile_to_module", compile_to_module))
-        patch(mock.patch.object(torch.autograd, "grad", grad))
-        patch(torch._functorch.config.patch(force_non_lazy_backward_lowering=True))
-        patch(
-            torch._inductor.config.patch(
-                force_disable_caches=True, compile_threads=1, benchmark_kernel=True
-            )
-        )
-        torch._C._ensureCUDADeviceGuardSet()
-        torch._dynamo.reset()  # nothing compiled for another device or before is reused
-        torch._dynamo.utils.counters.clear()  # graph breaks etc. counted from here
-        triton_driver._default = triton_driver._active = _triton_driver(props)
+    torch._dynamo.reset()  # nothing compiled for another device or before is reused
+    torch._dynamo.utils.counters.clear()  # graph breaks etc. counted from here
+    triton_driver._default = triton_driver._active = codegen_only_driver(props)
+    _clear_device_caches()
+    try:
+        yield
+    finally:
+        triton_driver._default, triton_driver._active = saved_driver
         _clear_device_caches()
-        try:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+
+
+@contextlib.contextmanager
+def gpu_codegen(gpu: str = "h100", *, cubin: bool = True) -> Iterator[CodegenLog]:
+    """Compile for `gpu` ("h100" or "b200") with no GPU; yields the `CodegenLog`."""
+    check_versions()
+    props = GPUS[gpu]
+    log = CodegenLog()
+    patches = [*_device_patches(props), *_lowering_patches(log, cubin)]
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        torch._C._ensureCUDADeviceGuardSet()
+        with _codegen_driver(props):
             yield log
-        finally:
-            triton_driver._default, triton_driver._active = saved_driver
-            _clear_device_caches()
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
 
 
 def _clear_device_caches() -> None:

@@ -22,17 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from f8train.checkpoint import (
-    MANIFEST,
-    SET_ASIDE,
-    Checkpointer,
-    aside_name,
-    dcp_problem,
-    step_of,
-    verify,
-    warn,
-    write_manifest,
-)
+from f8train.checkpoint import SET_ASIDE, Checkpointer, aside_name, dcp_problem, step_of, warn
+from f8train.checkpoint_manifest import MANIFEST, verify, write_manifest
 from f8train.float8_flags import default_all_gather, parse_static_scales
 from f8train.model import build_args
 from f8train.process_group import broadcast_from_0, rank_world

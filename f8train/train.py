@@ -31,14 +31,7 @@ from torch.distributed.tensor import DTensor
 from f8train import checkpoint as ck
 from f8train import process_group as pg
 from f8train import train_log as log
-from f8train.data import (
-    CACHE_ENV,
-    TokenBatcher,
-    TokenData,
-    ValidationBatches,
-    check_token_ids,
-    load_tokens,
-)
+from f8train.data import TokenData, check_token_ids, load_tokens
 from f8train.float8_flags import block_all_gather_problem, describe, float8_config
 from f8train.model import build_args, flops_per_token, num_params
 from f8train.moe import moe_aux_loss, moe_fields
@@ -46,6 +39,8 @@ from f8train.rank_exit import argument_time, enable_crash_traces, exit_rank
 from f8train.resume import checkpoint_settings, find_resume
 from f8train.run_control import GracefulStop, acquire_lock, fault_hooks, release_lock
 from f8train.sharded_model import build_model, build_optimizer, build_scheduler, conversion_counts
+from f8train.token_batches import TokenBatcher, ValidationBatches
+from f8train.token_cache import CACHE_ENV
 from f8train.train_args import batch_split_problem, parse_args
 from fsdp_float8 import Float8LinearConfig, Float8Telemetry, NVFP4Config, float8_step
 from fsdp_float8 import sync_float8_amax_and_scale_history as sync_float8

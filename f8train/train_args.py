@@ -16,17 +16,11 @@ from pathlib import Path
 
 import torch
 
-from f8train.data import (
-    CACHE_ENV,
-    corpus_tokens,
-    default_cache_dir,
-    min_corpus_tokens,
-    not_regular,
-    val_batches_available,
-    val_tokens,
-)
+from f8train.data import corpus_tokens, min_corpus_tokens, not_regular, val_tokens
 from f8train.float8_flags import NVFP4_RECIPES, RECIPES, SCALINGS, flag_problems
 from f8train.model import PRESETS, build_args
+from f8train.token_batches import val_batches_available
+from f8train.token_cache import CACHE_ENV, default_cache_dir
 
 
 def number(kind: type, low: float, high: float = math.inf, *, strict: bool = False) -> Callable:

@@ -10,15 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from f8train import data as corpus
-from f8train.data import (
-    TokenBatcher,
-    TokenData,
-    ValidationBatches,
-    default_cache_dir,
-    load_tokens,
-    stdlib_files,
-)
+from f8train import token_cache
+from f8train.data import TokenData, load_tokens, stdlib_files
+from f8train.token_batches import TokenBatcher, ValidationBatches
+from f8train.token_cache import default_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +215,8 @@ def test_folder_cache_follows_a_same_size_edit(tmp_path: Path, monkeypatch) -> N
     assert second.cache != first.cache
 
     hashed: list[Path] = []
-    real = corpus._file_digest
-    monkeypatch.setattr(corpus, "_file_digest", lambda p, *a: hashed.append(p) or real(p, *a))
+    real = token_cache._file_digest
+    monkeypatch.setattr(token_cache, "_file_digest", lambda p, *a: hashed.append(p) or real(p, *a))
     third = load_tokens(folder, cache_dir=cache)
     assert hashed == [] and third.cache == second.cache  # stat only, no second read
 
@@ -260,8 +255,10 @@ def test_folder_cache_checks_the_free_space_before_reading(tmp_path: Path, monke
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "a.txt").write_bytes(b"text " * 1000)
-    monkeypatch.setattr(corpus, "_free_bytes", lambda path: 1000)
-    monkeypatch.setattr(corpus, "_file_digest", lambda *a: pytest.fail("read before the check"))
+    monkeypatch.setattr(token_cache, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(
+        token_cache, "_file_digest", lambda *a: pytest.fail("read before the check")
+    )
     with pytest.raises(ValueError, match="token cache") as err:
         load_tokens(folder, cache_dir=tmp_path / "cache")
     assert "5,000 bytes of text" in str(err.value) and "--cache-dir" in str(err.value), err.value

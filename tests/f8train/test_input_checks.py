@@ -81,7 +81,7 @@ def test_a_corpus_too_small_for_its_validation_split_is_refused_naming_the_flags
 
 
 def test_min_corpus_tokens_is_the_boundary() -> None:
-    from f8train.data import ValidationBatches
+    from f8train.token_batches import ValidationBatches
 
     need = corpus.min_corpus_tokens(val_fraction=0.03, seq_len=8, global_batch=4, val_batches=3)
     for n, fits in ((need, True), (need - 1, False)):

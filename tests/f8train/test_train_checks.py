@@ -162,7 +162,7 @@ def test_a_batch_the_ranks_cannot_split_names_the_way_to_resume(monkeypatch, tmp
 
 
 def test_another_global_batch_is_accepted_on_resume_with_the_flag() -> None:
-    from f8train.data import TokenBatcher
+    from f8train.token_batches import TokenBatcher
 
     old, new = _settings("--global-batch", "16"), _settings("--global-batch", "15")
     lines = resume_conflicts(old, new, allow_recipe_change=False)
