@@ -3,7 +3,8 @@
 Scale math (the house rule): amax in float32, floored at `fp8_max / MAX_SCALE`,
 `fp8_max / amax` divided in float64 (so eager and torch.compile agree bit for bit),
 optionally rounded down to a power of two, then stored as float32. Casting multiplies by
-the scale and saturates at fp8_max (no clamp where the scale's own amax makes it a no-op).
+the scale and saturates at fp8_max (no clamp where the scale's own amax makes it a no-op):
+`fsdp_float8.core.float8_cast`, re-exported here.
 
 The floor. `MAX_SCALE = 2^126` is the largest scale whose inverse (what the GEMM multiplies
 by) is a normal float32, and exactly an e8m0 factor (torchao's MX casts stop there too). A
@@ -12,6 +13,10 @@ to zero: a grad_output of 1e-20 would give all-zero gradients. With this floor a
 float32's normal range keeps float8 precision; only an amax below fp8_max / 2^126 (e4m3
 5.3e-36) is cast with fewer bits. An amax of 0 gives `MAX_SCALE` (all-zero data). Amaxes of
 1e-12 and above give torchao's scales bit for bit.
+
+The interfaces (`Granularity`, `ScalingStrategy`, `AmaxRecord`) are protocols in
+`fsdp_float8.core.scaling_protocols`, re-exported here; this module holds the reductions
+and the granularities and strategies that implement them.
 
 Granularity says what one scale covers: `Tensorwise` (one 0-d scale), `Axiswise` (one
 scale per row along the GEMM's contraction dim, kept with `keepdim=True` so it broadcasts)
@@ -34,21 +39,27 @@ callers that hold an amax already (a batched reduction, a history) ask
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
 from fsdp_float8.core.amax_sync import Group, all_reduce_amax_
 from fsdp_float8.core.blocks import Block, blocked, cast_to_float8_blocks, expand_block_scale
 from fsdp_float8.core.constants import constant
-from fsdp_float8.core.families import Family, of_granularity
+from fsdp_float8.core.float8_cast import (  # noqa: F401  (part of this API)
+    _UPCAST_IN_MUL,
+    cast_to_float8_data,
+    float8_max,
+)
+from fsdp_float8.core.scaling_protocols import (  # noqa: F401  (part of this API)
+    AmaxRecord,
+    Granularity,
+    ScalingStrategy,
+    _FamilyFacts,
+)
 
 # the largest scale: its inverse is float32's smallest normal, 2^-126 (see the docstring)
 MAX_SCALE = 2.0**126
-
-
-def float8_max(float8_dtype: torch.dtype) -> float:
-    return float(torch.finfo(float8_dtype).max)
 
 
 def amax_to_scale(
@@ -81,44 +92,6 @@ def scale_from_amax(
 def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     """Exact: keep the sign and exponent bits of the float32, zero the mantissa."""
     return (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
-
-
-_UPCAST_IN_MUL = (torch.bfloat16, torch.float16, torch.float32)  # exact upcasts to float32
-
-
-def cast_to_float8_data(
-    hp: torch.Tensor,
-    scale: torch.Tensor,
-    float8_dtype: torch.dtype,
-    *,
-    column_major: bool = False,
-    saturate: bool = True,
-) -> torch.Tensor:
-    """Saturating cast: clamp(hp * scale) to the float8 range, then convert.
-
-    `saturate=False` (the scale's amax covers `hp`: `ScalingStrategy.own_amax`) skips the
-    clamp: |hp * scale| <= fp8_max up to float32 rounding, which the conversion rounds to
-    fp8_max, so the bytes are the same.
-
-    Out of place: selective activation checkpointing may save any op's output (a
-    save-everything policy does) and refuses one mutated afterwards; under torch.compile it
-    is one fused kernel either way. `column_major` (2-D `hp`): the result is laid out
-    column-major, as the right operand of a GEMM needs it (or the left one, transposed):
-    the transposed copy is the first float32 copy, not an extra pass over the float8 data."""
-    src = hp.detach()
-    if column_major:
-        src, scale = src.t(), (scale.t() if scale.dim() == 2 else scale)
-        scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
-    elif src.dtype in _UPCAST_IN_MUL and src.dim() > 0 and src.is_contiguous():
-        # one op: a scale with dims makes the product float32 (a 0-d one would not)
-        scaled = src * (scale if scale.dim() > 0 else scale.reshape(1))
-    else:
-        scaled = src.to(torch.float32, memory_format=torch.contiguous_format) * scale
-    if saturate:
-        fmax = float8_max(float8_dtype)
-        scaled = torch.clamp(scaled, min=-fmax, max=fmax)
-    data = scaled.to(float8_dtype)
-    return data.t() if column_major else data
 
 
 # amax = max |x|, the one home of the reduction: abs, then max, in the tensor's own dtype
@@ -246,81 +219,6 @@ def tensor_amaxes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [tensor_amax(t) for t in tensors]
 
 
-class Granularity(Protocol):
-    @property
-    def family(self) -> Family:
-        """Its format family (`fsdp_float8.core.families`)."""
-        ...
-
-    @property
-    def per_row(self) -> bool:
-        """One scale per row along the contraction dim (`Family.per_row`)."""
-        ...
-
-    @property
-    def broadcast_scales(self) -> bool:
-        """Scales that broadcast against the operand, not blocks (`Family.broadcast_scales`)."""
-        ...
-
-    @property
-    def transpose_invariant(self) -> bool:
-        """True when one cast serves the operand contracted along either dim (tensorwise,
-        square blocks): the layer then reuses it for the operand's second GEMM."""
-        ...
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        """How the scale is sent (all-gather, CUDA GEMM)."""
-        ...
-
-    def amax(self, hp: torch.Tensor, dim: int, *, exact: bool = False) -> torch.Tensor:
-        """float32; `exact`: any dtype that holds it exactly (see `tensor_amax`)."""
-        ...
-
-    def block(self, dim: int) -> tuple[int, int] | None:
-        """(rows, cols) of a block of a 2-D operand contracted along `dim`; None when the
-        scale broadcasts (tensorwise, axiswise)."""
-        ...
-
-    def cast(
-        self,
-        hp: torch.Tensor,
-        scale: torch.Tensor,
-        dim: int,
-        float8_dtype: torch.dtype,
-        *,
-        column_major: bool = False,
-        saturate: bool = True,
-    ) -> torch.Tensor:
-        """The float8 data; `column_major` lays a 2-D result out column-major where the
-        granularity's GEMM takes it so (`cast_to_float8_data`); block casts keep their
-        layout (the block GEMM lays out its operands). `saturate=False`: the scale's amax
-        covers `hp` (`cast_to_float8_data`); block casts saturate either way."""
-        ...
-
-    def broadcastable(self, scale: torch.Tensor, hp: torch.Tensor, dim: int) -> torch.Tensor:
-        """The scale in a form that broadcasts against `hp` (for statistics)."""
-        ...
-
-
-class _FamilyFacts:
-    """What generic code asks of a granularity's format family (`core.families`)."""
-
-    word: ClassVar[str]  # its `ScalingGranularity` value
-
-    @property
-    def family(self) -> Family:
-        return of_granularity(self.word)
-
-    @property
-    def per_row(self) -> bool:
-        return self.family.per_row
-
-    @property
-    def broadcast_scales(self) -> bool:
-        return self.family.broadcast_scales
-
-
 @dataclass(frozen=True)
 class Tensorwise(_FamilyFacts):
     word = "tensorwise"
@@ -400,32 +298,6 @@ class Blockwise(_FamilyFacts):
 
     def broadcastable(self, scale, hp, dim):
         return expand_block_scale(scale, self.block(dim), hp.shape)
-
-
-class AmaxRecord(Protocol):
-    """One operand's delayed state as a cast sees it (`fsdp_float8.core.delayed_state`)."""
-
-    scale: torch.Tensor  # () float32: the synced scale
-    initialized: torch.Tensor  # () bool: a sync has happened
-
-    def record(self, amax: torch.Tensor) -> None: ...
-
-
-class ScalingStrategy(Protocol):
-    # the scale comes from the amax of the very values it casts: they need no clamp
-    # (`cast_to_float8_data`), and a cast is reusable while they stand
-    own_amax: ClassVar[bool]
-
-    @property
-    def granularity(self) -> Granularity: ...
-
-    def scale(
-        self,
-        hp: torch.Tensor,
-        dim: int,
-        float8_dtype: torch.dtype,
-        state: AmaxRecord | None = None,
-    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
