@@ -211,7 +211,11 @@ class DelayedScalingState(nn.Module):
         delayed scales but record into scratch amaxes, so evaluation never feeds the
         history. A training forward is counted on the device (no host state to guard on
         under torch.compile; an activation-checkpoint recompute only re-records the same
-        amaxes, which a max leaves unchanged)."""
+        amaxes, which a max leaves unchanged). Eager, a scale written in place since the host
+        last knew it (`drop_if_scales_written`) is seen here too, so a forward that no
+        refresh precedes (evaluation, the float8 step off) casts with it and its inverse."""
+        if not torch.compiler.is_compiling():
+            self.drop_if_scales_written()
         states = {op: self.view(op) for op in self.operands}
         if not training:
             return {
@@ -288,7 +292,8 @@ class DelayedScalingState(nn.Module):
         `dcp.load(model.state_dict())`) may come with an unsynced `initialized` flag and no
         longer matches its inverse. Then nothing is `ready` until a sync says so again, and
         each inverse is made anew from its scale. True when that happened."""
-        if all(self.view(op).scale._version == v for op, v in self.scale_versions.items()):
+        versions = self.scale_versions
+        if all(getattr(self, f"fp8_scale_{op.value}")._version == v for op, v in versions.items()):
             return False
         self.ready_ops = frozenset()
         self.epoch += 1
@@ -337,6 +342,13 @@ class DelayedScalingState(nn.Module):
         self.ready_ops = frozenset()
         self.epoch += 1
         self._note_scales()
+
+    def __setstate__(self, state) -> None:
+        # a copy (copy.deepcopy, unpickling) holds new buffers, whose version counters are
+        # their own: its host flags are read from them, as a load does
+        super().__setstate__(state)
+        if not any(b.is_meta for b in self._buffers.values() if b is not None):
+            _refresh_host_flags(self, None)
 
     def _apply(self, fn, recurse=True):
         # dtype-stable: take the device move from fn, keep the float32 values (a round trip

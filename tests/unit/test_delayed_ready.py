@@ -6,6 +6,8 @@ same: before, the device chose the synced scale too."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from fsdp_float8 import (
     Float8Linear,
     Operand,
     convert_to_float8_training,
+    float8_step,
     sync_float8_amax_and_scale_history,
 )
 from fsdp_float8.core.scaling import rows_then_tensor_amax, tensor_amax
@@ -172,3 +175,61 @@ def test_a_scale_written_in_place_drops_ready_until_the_next_sync():
     opt.zero_grad()
     train_step()
     assert state.ready_ops == set(state.operands)
+
+
+def _trained_model(seed: int, scale: float) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(model, config=CONFIG)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-1)
+    for _ in range(3):
+        model(torch.randn(16, 64) * scale).square().mean().backward()
+        opt.step()  # the float8 step syncs after it
+        opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("forward", ["no_grad", "eval", "step_disabled"])
+def test_a_forward_without_a_refresh_after_a_scale_written_in_place_uses_it(forward):
+    # an in-place load (dcp.load(model.state_dict()), an EMA update of the state dict's
+    # tensors) followed by a forward that no refresh precedes: the cast and the GEMM's
+    # inverse both come from the written scale, as after load_state_dict
+    model, other = _trained_model(0, 1.0), _trained_model(1, 50.0)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        for mine, theirs in zip(model.state_dict().values(), other.state_dict().values()):
+            mine.copy_(theirs)
+    x = torch.randn(16, 64) * 10
+    if forward == "no_grad":
+        with torch.no_grad():
+            got, want = model(x), reference(x)
+    elif forward == "eval":
+        model.eval(), reference.eval()
+        got, want = model(x), reference(x)
+    else:
+        float8_step(model).disable(), float8_step(reference).disable()
+        got, want = model(x), reference(x)
+    assert torch.equal(got, want)
+
+
+def test_a_deep_copy_knows_its_own_buffers():
+    # copy.deepcopy (an EMA or teacher copy) gives new buffers with version counters of
+    # their own: the copy's host flags are taken from them, so a later in-place write into
+    # the copy is seen whatever its count
+    model, other = _trained_model(0, 1.0), _trained_model(1, 50.0)
+    ema = copy.deepcopy(model)
+    state = ema[0].delayed_scaling
+    assert state.ready_ops == set(state.operands) and state.weight_ready
+    writes = max(state.scale_versions.values()) - min(
+        state.view(op).scale._version for op in state.operands
+    )
+    for _ in range(max(writes, 1)):  # e.g. one EMA update of the state dict per step
+        with torch.no_grad():
+            for mine, theirs in zip(ema.state_dict().values(), other.state_dict().values()):
+                mine.copy_(theirs)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(other.state_dict())
+    x = torch.randn(16, 64) * 10
+    with torch.no_grad():
+        assert torch.equal(ema(x), reference(x))
