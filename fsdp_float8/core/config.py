@@ -34,6 +34,7 @@ from fsdp_float8.core.config_rules import (
     check_cast_pairs,
     check_linear_blocks,
     check_no_e5m2_pair,
+    check_static_power_of_2,
     check_static_scale,
 )
 from fsdp_float8.core.config_torchao import (
@@ -242,13 +243,27 @@ class Float8LinearConfig:
             fsdp_all_gather=self.enable_fsdp_float8_all_gather,
             save_input_in_float8=self.save_input_in_float8,
         )
+        named = {CAST_FIELD[key]: cast for key, cast in casts.items()}
         check_linear_blocks(
-            {CAST_FIELD[key]: cast for key, cast in casts.items()},
-            pad_inner_dim=self.pad_inner_dim,
-            power_of_2=self.round_scales_to_power_of_2,
+            named, pad_inner_dim=self.pad_inner_dim, power_of_2=self.round_scales_to_power_of_2
         )
+        if self.round_scales_to_power_of_2:
+            check_static_power_of_2(named)
+        self._check_delayed_scaling_config()
         if not self.emulate:
             check_no_e5m2_pair(casts)
+
+    def _check_delayed_scaling_config(self) -> None:
+        """Only delayed casts read `delayed_scaling_config`: a non-default one with none
+        would change nothing."""
+        if self.delayed_scaling_config == DelayedScalingConfig():
+            return
+        if ScalingType.DELAYED not in self.scaling_types():
+            raise Float8ConfigError(
+                f"delayed_scaling_config={self.delayed_scaling_config} is only read by "
+                "delayed casts, but no cast is delayed; make the casts delayed "
+                "(CastConfig(scaling_type='delayed')) or drop delayed_scaling_config"
+            )
 
     def _convert_foreign_fields(self) -> None:
         """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their
