@@ -191,7 +191,9 @@ class Float8LinearConfig:
     (e4m3 for input and weight, e5m2 for grad_output). The fields up to
     `round_scales_to_power_of_2` are positional in torchao's order; the rest keyword-only.
     `force_recompute_fp8_weight_in_bwd` is accepted for torchao compatibility and does
-    nothing: backward always re-casts the weight from the parameter (FSDP2 re-gathers it).
+    nothing, as in torchao (a `FutureWarning` says so): eager backward re-casts the weight
+    from the parameter (FSDP2 re-gathers it); compiled on a GPU, a dynamic tensorwise layer
+    without float8 all-gather keeps the forward's float8 weight (`fsdp_float8.nn.linear`).
 
     `share_input_casts` (off by default): layers that read the same input tensor with the
     same dynamic casts (attention's wq/wk/wv, SwiGLU's w1/w3) share its float8 casts, one
@@ -230,11 +232,13 @@ class Float8LinearConfig:
         for operand in OPERANDS:
             self._resolve(operand)
         if self.force_recompute_fp8_weight_in_bwd:
+            # a FutureWarning, not a DeprecationWarning: Python's default filters hide the
+            # latter outside __main__, and torchao logs this one unconditionally
             warnings.warn(
-                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated (as in "
-                "torchao) and has no effect: backward always re-casts the weight from the "
-                "parameter, never saving a float8 copy; drop the argument",
-                DeprecationWarning,
+                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated and has "
+                "no effect (as in torchao): the weight's float8 copy for backward is not "
+                "configurable; drop the argument",
+                FutureWarning,
                 stacklevel=3,
             )
         casts = {key: self.cast(*key) for key in CAST_FIELD}
