@@ -34,6 +34,7 @@ from fsdp_float8.core.config_rules import (
     check_cast_pairs,
     check_linear_blocks,
     check_no_e5m2_pair,
+    check_static_power_of_2,
     check_static_scale,
 )
 from fsdp_float8.core.config_torchao import (
@@ -190,7 +191,9 @@ class Float8LinearConfig:
     (e4m3 for input and weight, e5m2 for grad_output). The fields up to
     `round_scales_to_power_of_2` are positional in torchao's order; the rest keyword-only.
     `force_recompute_fp8_weight_in_bwd` is accepted for torchao compatibility and does
-    nothing: backward always re-casts the weight from the parameter (FSDP2 re-gathers it).
+    nothing, as in torchao (a `FutureWarning` says so): eager backward re-casts the weight
+    from the parameter (FSDP2 re-gathers it); compiled on a GPU, a dynamic tensorwise layer
+    without float8 all-gather keeps the forward's float8 weight (`fsdp_float8.nn.linear`).
 
     `share_input_casts` (off by default): layers that read the same input tensor with the
     same dynamic casts (attention's wq/wk/wv, SwiGLU's w1/w3) share its float8 casts, one
@@ -229,11 +232,13 @@ class Float8LinearConfig:
         for operand in OPERANDS:
             self._resolve(operand)
         if self.force_recompute_fp8_weight_in_bwd:
+            # a FutureWarning, not a DeprecationWarning: Python's default filters hide the
+            # latter outside __main__, and torchao logs this one unconditionally
             warnings.warn(
-                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated (as in "
-                "torchao) and has no effect: backward always re-casts the weight from the "
-                "parameter, never saving a float8 copy; drop the argument",
-                DeprecationWarning,
+                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated and has "
+                "no effect (as in torchao): the weight's float8 copy for backward is not "
+                "configurable; drop the argument",
+                FutureWarning,
                 stacklevel=3,
             )
         casts = {key: self.cast(*key) for key in CAST_FIELD}
@@ -242,13 +247,27 @@ class Float8LinearConfig:
             fsdp_all_gather=self.enable_fsdp_float8_all_gather,
             save_input_in_float8=self.save_input_in_float8,
         )
+        named = {CAST_FIELD[key]: cast for key, cast in casts.items()}
         check_linear_blocks(
-            {CAST_FIELD[key]: cast for key, cast in casts.items()},
-            pad_inner_dim=self.pad_inner_dim,
-            power_of_2=self.round_scales_to_power_of_2,
+            named, pad_inner_dim=self.pad_inner_dim, power_of_2=self.round_scales_to_power_of_2
         )
+        if self.round_scales_to_power_of_2:
+            check_static_power_of_2(named)
+        self._check_delayed_scaling_config()
         if not self.emulate:
             check_no_e5m2_pair(casts)
+
+    def _check_delayed_scaling_config(self) -> None:
+        """Only delayed casts read `delayed_scaling_config`: a non-default one with none
+        would change nothing."""
+        if self.delayed_scaling_config == DelayedScalingConfig():
+            return
+        if ScalingType.DELAYED not in self.scaling_types():
+            raise Float8ConfigError(
+                f"delayed_scaling_config={self.delayed_scaling_config} is only read by "
+                "delayed casts, but no cast is delayed; make the casts delayed "
+                "(CastConfig(scaling_type='delayed')) or drop delayed_scaling_config"
+            )
 
     def _convert_foreign_fields(self) -> None:
         """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their

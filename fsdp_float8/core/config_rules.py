@@ -7,6 +7,7 @@ construction, each raising ValueError naming the values and the remedy:
 - a float8 all-gathered weight serves both weight GEMMs (its family's rule);
 - a float8 input saved for grad_weight is cast alike for output and grad_weight;
 - block casts refuse pad_inner_dim, and e8m0 scales need power-of-two rounding;
+- under power-of-two rounding a static scale (used as given) is a power of two;
 - CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated);
 - a static scale keeps fp8_max / scale and 1 / scale finite normal float32s.
 
@@ -158,6 +159,21 @@ def check_linear_blocks(casts: dict[str, Any], *, pad_inner_dim: bool, power_of_
             "but round_scales_to_power_of_2=False; set it True (the 'mxfp8' recipe does) or "
             "use float32 block scales"
         )
+
+
+def check_static_power_of_2(casts: dict[str, Any]) -> None:
+    """Under `round_scales_to_power_of_2` every static scale must be a power of two: a
+    static scale is used as given, never rounded (field name -> CastConfig)."""
+    for name, cast in casts.items():
+        scale = cast.static_scale
+        if scale is not None and math.frexp(scale)[0] != 0.5:
+            down = 2.0 ** (math.frexp(scale)[1] - 1)
+            raise Float8ConfigError(
+                f"{name} has static_scale={scale!r}, which is used as given, but "
+                "round_scales_to_power_of_2=True asks for power-of-two scales; pass a power "
+                f"of two (static_scale={down!r} rounds it down) or set "
+                "round_scales_to_power_of_2=False"
+            )
 
 
 def check_no_e5m2_pair(casts: Casts) -> None:

@@ -158,12 +158,13 @@ def _step_for(model: nn.Module) -> Float8Step:
 
 
 @torch.no_grad()
-def precompute_float8_dynamic_scale_for_fsdp(model: nn.Module) -> int:
-    """Store the next all-gather's scale on every dynamic tensorwise float8 weight whose
-    scale is stale (and sync delayed state that is due, in the same collective); returns
-    how many weights hold a fresh precomputed scale. Optional: the float8 step does it."""
-    _refresh_steps([_step_for(model)], _EXPLICIT)
-    return sum(1 for u, _ in _step_for(model)._units() if u.dynamic_weight() is not None)
+def precompute_float8_dynamic_scale_for_fsdp(module: nn.Module) -> int:
+    """Store the next all-gather's scale on every dynamic tensorwise float8 weight of
+    `module` (torchao's name for the model) whose scale is stale (and sync delayed state
+    that is due, in the same collective); returns how many weights hold a fresh precomputed
+    scale. Optional: the float8 step does it."""
+    _refresh_steps([_step_for(module)], _EXPLICIT)
+    return sum(1 for u, _ in _step_for(module)._units() if u.dynamic_weight() is not None)
 
 
 @torch.no_grad()

@@ -80,7 +80,7 @@ class _Swap:
 
 
 def convert_to_float8_training(
-    model: nn.Module,
+    module: nn.Module,
     *,
     config: Float8LinearConfig | object | None = None,
     module_filter_fn: ModuleFilter | None = None,
@@ -100,8 +100,10 @@ def convert_to_float8_training(
     `expert_filter_fn` accepts them (default: all), and reported
     (`report.experts_converted` / `experts_skipped`). The returned model gets its float8
     step (`fsdp_float8.float8_step`): precomputed weight scales and delayed-scaling state
-    are refreshed after each optimizer step.
+    are refreshed after each optimizer step. The first argument is named `module`, as in
+    torchao.
     """
+    model = module
     config = _layer_config(config)
     expert_config = _expert_layer_config(expert_config)
     _refuse_high_precision_config(config)

@@ -56,7 +56,7 @@ def converter(recipe: str | None):
     """torchtitan's float8 converter: (config, module filter, precompute after step)."""
     if recipe is None:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # torchtitan passes it
+            warnings.simplefilter("ignore", FutureWarning)  # torchtitan passes it
             config = Float8LinearConfig(
                 enable_fsdp_float8_all_gather=True, force_recompute_fp8_weight_in_bwd=True
             )

@@ -201,12 +201,12 @@ _USES = {
 
 def test_strategy_objects_follow_the_config() -> None:
     config = Float8LinearConfig(
-        cast_config_input=CastConfig(scaling_type="static", static_scale=3.0),
+        cast_config_input=CastConfig(scaling_type="static", static_scale=4.0),
         cast_config_weight=CastConfig(scaling_type="delayed"),
         delayed_scaling_config=DelayedScalingConfig(history_len=5, scale_fn_name="most_recent"),
         round_scales_to_power_of_2=True,
     )
-    assert config.strategy(Operand.INPUT, Gemm.GRAD_WEIGHT) == StaticScaling(scale=3.0)
+    assert config.strategy(Operand.INPUT, Gemm.GRAD_WEIGHT) == StaticScaling(scale=4.0)
     delayed = config.strategy(Operand.WEIGHT, Gemm.GRAD_INPUT)
     assert delayed == DelayedScaling(history_len=5, scale_fn_name="most_recent", power_of_2=True)
     assert config.scaling_types() == {ScalingType.STATIC, ScalingType.DELAYED, ScalingType.DYNAMIC}
@@ -296,3 +296,35 @@ def test_two_e5m2_operands_of_a_gemm_are_refused_at_build(fields, gemm) -> None:
         Float8LinearConfig(**fields)
     assert "float8_e4m3fn" in str(info.value) and "emulate=True" in str(info.value)
     Float8LinearConfig(**fields, emulate=True)
+
+
+@pytest.mark.parametrize(
+    "delayed",
+    [{"history_len": 4}, {"scale_fn_name": "most_recent"}, {"max_forwards_without_sync": 8}],
+)
+def test_delayed_scaling_config_without_a_delayed_cast_is_refused(delayed) -> None:
+    # it would change nothing: only delayed casts read it
+    config = DelayedScalingConfig(**delayed)
+    with pytest.raises(ValueError, match="no cast is delayed") as info:
+        Float8LinearConfig(delayed_scaling_config=config)
+    assert "scaling_type='delayed'" in str(info.value)
+    assert "drop delayed_scaling_config" in str(info.value)
+    with pytest.raises(ValueError, match="no cast is delayed"):
+        Float8LinearConfig.from_recipe_name("rowwise", delayed_scaling_config=config)
+    delayed_input = CastConfig(scaling_type="delayed")
+    kept = Float8LinearConfig(cast_config_input=delayed_input, delayed_scaling_config=config)
+    assert kept.delayed_scaling_config == config
+    assert Float8LinearConfig(delayed_scaling_config=DelayedScalingConfig()).emulate is False
+
+
+def test_power_of_2_rounding_refuses_a_static_scale_it_would_not_round() -> None:
+    # a static scale is used as given: under round_scales_to_power_of_2 it must be one
+    static = CastConfig(scaling_type="static", static_scale=3.0)
+    with pytest.raises(ValueError, match=r"cast_config_input has static_scale=3.0") as info:
+        Float8LinearConfig(cast_config_input=static, round_scales_to_power_of_2=True)
+    message = str(info.value)
+    assert "static_scale=2.0" in message and "round_scales_to_power_of_2=False" in message
+    power = CastConfig(scaling_type="static", static_scale=0.25)
+    config = Float8LinearConfig(cast_config_weight=power, round_scales_to_power_of_2=True)
+    assert config.strategy(Operand.WEIGHT, Gemm.GRAD_INPUT) == StaticScaling(scale=0.25)
+    assert Float8LinearConfig(cast_config_input=static).cast_config_input.static_scale == 3.0

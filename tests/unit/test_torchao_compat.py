@@ -181,17 +181,47 @@ def test_replace_derives_filled_fields_again() -> None:
 
 
 def test_force_recompute_is_a_deprecated_no_op() -> None:
-    with pytest.warns(DeprecationWarning, match="force_recompute_fp8_weight_in_bwd"):
+    with pytest.warns(FutureWarning, match="force_recompute_fp8_weight_in_bwd"):
         cfg = Float8LinearConfig(force_recompute_fp8_weight_in_bwd=True)
     torch.manual_seed(0)
     base = nn.Linear(64, 32)
     x = torch.randn(8, 64)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
         same = dataclasses.replace(cfg, force_recompute_fp8_weight_in_bwd=False)
     a = Float8Linear.from_float(base, cfg)(x)
     b = Float8Linear.from_float(base, same)(x)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: Float8LinearConfig(force_recompute_fp8_weight_in_bwd=True),
+        lambda: Float8LinearConfig.from_recipe_name(
+            "rowwise", force_recompute_fp8_weight_in_bwd=True
+        ),
+    ],
+    ids=["constructor", "from_recipe_name"],
+)
+def test_force_recompute_warning_shows_under_pythons_default_filters(build) -> None:
+    # torchao logs it unconditionally; Python's default filters hide a DeprecationWarning
+    # raised outside __main__ (here: this test module, or fsdp_float8's from_recipe_name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=PendingDeprecationWarning)
+        build()
+    assert any("force_recompute_fp8_weight_in_bwd" in str(w.message) for w in caught)
+
+
+def test_torchaos_keyword_names_are_accepted() -> None:
+    # torchao names the model `module` in both functions
+    model = nn.Sequential(nn.Linear(64, 32))
+    model = convert_to_float8_training(module=model, config=Float8LinearConfig())
+    assert isinstance(model[0], Float8Linear)
+    precompute_float8_dynamic_scale_for_fsdp(module=model)
 
 
 def test_float8_linear_has_torchaos_attributes() -> None:
