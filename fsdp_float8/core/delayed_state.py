@@ -186,6 +186,7 @@ class DelayedScalingState(nn.Module):
         self.syncs = 0  # how many syncs so far
         self.sync_group = None  # an explicit reduction group, remembered from a sync call
         self.register_load_state_dict_post_hook(_refresh_host_flags)
+        self.register_state_dict_post_hook(_buffers_handed_out)
 
     @classmethod
     def for_config(cls, config: Float8LinearConfig, device=None) -> DelayedScalingState | None:
@@ -369,6 +370,18 @@ class DelayedScalingState(nn.Module):
         return f"operands={[op.value for op in self.operands]}"
 
 
+def _buffers_handed_out(state: DelayedScalingState, state_dict, prefix, metadata) -> None:
+    # a state dict holds the buffers themselves, and whatever writes into them in place (an
+    # in-place checkpoint load, an EMA update) runs no hook: eager forwards and the float8
+    # step see the scales' versions move, a compiled forward runs no host code first. So
+    # the scales count as unsynced until the next sync says otherwise: a compiled cast then
+    # takes the scale the device holds, with its inverse made in the graph (a recompile
+    # the first time; the same numbers, one small amax pass more per cast until then)
+    if state.ready_ops:
+        state.ready_ops = frozenset()
+        state.epoch += 1
+
+
 def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
     # one host read at load time, so no forward and no all-gather hook reads a device flag
     flags = {op: bool(state.view(op).initialized) for op in state.operands}
@@ -406,6 +419,9 @@ def export_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict:
 
     The same dict loads a checkpoint saved without delayed-scaling state into a
     delayed-scaling model in place (DCP would report the missing `fp8_amax_*` keys):
-    `dcp.load(export_state_dict(model), checkpoint_id=...)`; the histories start afresh."""
+    `dcp.load(export_state_dict(model), checkpoint_id=...)`. A model that has not synced yet
+    then starts its histories afresh; a synced one keeps its histories and scales, from
+    weights that are no longer there, until later syncs roll them out (call
+    `delayed_scaling.reset()` on each layer first to start afresh)."""
     state_dict = model.state_dict() if state_dict is None else state_dict
     return {k: v for k, v in state_dict.items() if not _STATE_KEY.search(k)}

@@ -115,7 +115,11 @@ def test_reset_and_loads_decide_ready_anew():
     unsynced = {k: v.clone() for k, v in layer.state_dict().items()}
     _step(layer, torch.randn(16, 64))
     sync_float8_amax_and_scale_history(layer)
+    assert state.ready_ops
     synced = {k: v.clone() for k, v in layer.state_dict().items()}
+    # handing out the buffers drops `ready` (a write into them would run no hook)
+    assert state.ready_ops == frozenset()
+    sync_float8_amax_and_scale_history(layer)
     assert state.ready_ops
     layer.load_state_dict(unsynced)
     assert state.ready_ops == frozenset()
@@ -233,3 +237,23 @@ def test_a_deep_copy_knows_its_own_buffers():
     x = torch.randn(16, 64) * 10
     with torch.no_grad():
         assert torch.equal(ema(x), reference(x))
+
+
+@pytest.mark.parametrize("forward", ["no_grad", "eval"])
+def test_a_compiled_forward_after_a_scale_written_in_place_uses_it(forward):
+    # a compiled forward runs no host code before its graph, so the state dict that hands
+    # out the buffers for such a write drops `ready` itself: the compiled cast then takes
+    # the scale the device holds and makes its inverse in the graph, until the next sync
+    model, other = _trained_model(0, 1.0), _trained_model(1, 50.0)
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(other.state_dict())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(16, 64) * 10
+    if forward == "eval":
+        model.eval(), reference.eval()
+    with torch.no_grad():
+        compiled(x)  # compiled while synced
+        for mine, theirs in zip(model.state_dict().values(), other.state_dict().values()):
+            mine.copy_(theirs)
+        got, want = compiled(x), reference(x)
+    assert torch.equal(got, want)
