@@ -42,7 +42,7 @@ from torch.optim.optimizer import (
 )
 
 from fsdp_float8.core.amax_sync import Group, group_of
-from fsdp_float8.core.delayed_state import is_training_forward
+from fsdp_float8.core.training_forward import is_training_forward
 from fsdp_float8.fsdp import refresh as _refresh
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, units_of
 from fsdp_float8.fsdp.step_plan import StepPlan, plan_of

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.pipelining.stage import PipelineStage
 
 from fsdp_float8 import CastConfig, Float8LinearConfig, convert_to_float8_training
-from fsdp_float8.core.delayed_state import is_training_forward, shape_inference_codes
+from fsdp_float8.core.training_forward import is_training_forward, shape_inference_codes
 
 DELAYED = CastConfig(scaling_type="delayed")
 CONFIG = Float8LinearConfig(
