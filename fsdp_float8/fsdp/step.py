@@ -36,6 +36,7 @@ from typing import cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -49,7 +50,7 @@ from fsdp_float8.fsdp.step_plan import StepPlan, plan_of
 from fsdp_float8.fsdp.streams import caller_stream, first_stream, on_stream
 from fsdp_float8.fsdp.structure import Structure, held_by
 from fsdp_float8.nn.convert import AFTER_CONVERSION
-from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER
+from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER, Float8WeightWrapper
 from fsdp_float8.weight_wrappers.wrap import replaced_parameter
 
 _AUTO, _FORWARD, _EXPLICIT = "after optimizer step", "before forward", "explicit call"
@@ -264,7 +265,10 @@ def _held_steps(optimizer: torch.optim.Optimizer) -> list[Float8Step]:
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     _refuse_replaced_parameters(optimizer)
-    for step in _held_steps(optimizer):
+    held = _held_steps(optimizer)
+    if held:
+        _count_step_as_write(optimizer)
+    for step in held:
         step._epoch += 1
 
 
@@ -275,6 +279,21 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         _refresh_steps(enabled, _AUTO)
     for step in held:
         step._stepped_epoch = step._epoch
+
+
+def _count_step_as_write(optimizer) -> None:
+    """Count the step about to run as a write into every float8-gathered weight the
+    optimizer holds, before it runs. A step whose kernels write the weights' storage below
+    the wrappers' dispatch (a compiled `optimizer.step`, another library's fused or low-bit
+    kernel) moves neither their mutation generation nor their inner tensors' versions:
+    without this, the scales and packs made before the step would look fresh and the next
+    forward would use the old values. Scales stamped after the step (the automatic refresh,
+    or a precompute in the optimizer's own post hook) are from the new values and stay."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if isinstance(local, Float8WeightWrapper):
+                local._state.bump()
 
 
 _checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
