@@ -6,7 +6,8 @@ warm-up steps one steady step (forward, backward, `optimizer.step()` with the fl
 it runs) is counted on rank 0 with `sys.setprofile`. A count, not a time: deterministic.
 
 The limits hold each recipe to the step's work: per weight one all-gather pack per step (the
-backward's re-gather reuses it), per GEMM no call that does nothing, the float8 step's
+backward's re-gather reuses it) and one write mark before the optimizer step (its kernels
+may write below the wrappers' dispatch), per GEMM no call that does nothing, the float8 step's
 structure and per-step decisions kept while the model holds. `python -m
 tests.distributed.host_calls` prints the counts and the functions called most.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from tests.distributed.host_calls import RECIPES, measure
 
-LIMITS = {"tensorwise": 614, "rowwise": 635, "nvfp4": 799}
+LIMITS = {"tensorwise": 614, "rowwise": 643, "nvfp4": 799}
 
 
 def test_a_steady_fsdp_step_stays_within_its_library_calls(tmp_path):
