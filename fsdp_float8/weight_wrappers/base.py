@@ -169,6 +169,8 @@ class Float8WeightWrapper(torch.Tensor):
         if func in PRESERVE_WRAPPER:
             with normal_outputs(args, kwargs):  # a view of a normal tensor is normal
                 return tree_map_only(torch.Tensor, lambda t: first._rewrap(t, func), out)
+        if func.is_view:  # a plain view (t, select, permute...): writes through it reach
+            first._state.watch_viewed(first)  # the weight below autograd
         if out is None or isinstance(out, torch.Tensor):  # none or one output: no tree walk
             for w in wrappers:
                 if w._tensor is out:

@@ -65,6 +65,23 @@ class WeightState:
 
         inners[key] = (weakref.ref(alias, retire), alias._version)
 
+    def watch_viewed(self, base: torch.Tensor) -> None:
+        """`base` (a wrapper over these values) handed out a plain view of them (`t`,
+        `select`, `permute`...). Such a view shares `base`'s version counter, not the inner
+        tensor's, so a write through it is seen only there: count a write now (one may
+        follow at once), check `base`'s counter while it lives, and count one more when it
+        dies (its views die first; one of them may have written after the last stamp)."""
+        self.bump()
+        key, inners = id(base), self._inners
+        if key in inners:
+            return
+
+        def retire(_) -> None:
+            if inners.pop(key, None) is not None:
+                self.bump()
+
+        inners[key] = (weakref.ref(base, retire), base._version)
+
     def bump(self) -> None:
         self.generation += 1
         self.blank = False

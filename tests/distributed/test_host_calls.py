@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tests.distributed.host_calls import RECIPES, measure
 
-LIMITS = {"tensorwise": 614, "rowwise": 643, "nvfp4": 799}
+LIMITS = {"tensorwise": 614, "rowwise": 655, "nvfp4": 799}
 
 
 def test_a_steady_fsdp_step_stays_within_its_library_calls(tmp_path):

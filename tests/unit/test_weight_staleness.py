@@ -76,6 +76,14 @@ MUTATIONS = {
     "adamw_for_loop": _step(torch.optim.AdamW, lr=1.0, foreach=False),
     "sgd": _step(torch.optim.SGD, lr=1000.0),
     "load_state_dict": _load_scaled,
+    # writes through views that are not the weight's own aliases
+    "t.mul_": lambda m: m[0].weight.detach().t().mul_(1000),
+    "T.mul_": lambda m: m[0].weight.data.T.mul_(1000),
+    "select.mul_": lambda m: m[0].weight.detach()[0].mul_(1000),
+    "setitem": lambda m: m[0].weight.data.__setitem__(0, 1000.0),
+    "permute.mul_": lambda m: m[0].weight.detach().permute(1, 0).mul_(1000),
+    "diagonal.mul_": lambda m: m[0].weight.detach().diagonal().mul_(1000),
+    "unsqueeze.mul_": lambda m: m[0].weight.detach().unsqueeze(0).mul_(1000),
 }
 
 
