@@ -32,6 +32,7 @@ from fsdp_float8.core.config_fields import Float8ConfigError, check_field_types,
 from fsdp_float8.core.config_rules import (
     check_block_cast,
     check_cast_pairs,
+    check_delayed_scaling_config,
     check_linear_blocks,
     check_no_e5m2_pair,
     check_static_power_of_2,
@@ -253,21 +254,13 @@ class Float8LinearConfig:
         )
         if self.round_scales_to_power_of_2:
             check_static_power_of_2(named)
-        self._check_delayed_scaling_config()
+        check_delayed_scaling_config(
+            self.delayed_scaling_config,
+            DelayedScalingConfig(),
+            read=ScalingType.DELAYED in self.scaling_types(),
+        )
         if not self.emulate:
             check_no_e5m2_pair(casts)
-
-    def _check_delayed_scaling_config(self) -> None:
-        """Only delayed casts read `delayed_scaling_config`: a non-default one with none
-        would change nothing."""
-        if self.delayed_scaling_config == DelayedScalingConfig():
-            return
-        if ScalingType.DELAYED not in self.scaling_types():
-            raise Float8ConfigError(
-                f"delayed_scaling_config={self.delayed_scaling_config} is only read by "
-                "delayed casts, but no cast is delayed; make the casts delayed "
-                "(CastConfig(scaling_type='delayed')) or drop delayed_scaling_config"
-            )
 
     def _convert_foreign_fields(self) -> None:
         """torchao.float8's CastConfig / Float8GemmConfig (or any dataclass with their

@@ -9,7 +9,8 @@ construction, each raising ValueError naming the values and the remedy:
 - block casts refuse pad_inner_dim, and e8m0 scales need power-of-two rounding;
 - under power-of-two rounding a static scale (used as given) is a power of two;
 - CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated);
-- a static scale keeps fp8_max / scale and 1 / scale finite normal float32s.
+- a static scale keeps fp8_max / scale and 1 / scale finite normal float32s;
+- a non-default `delayed_scaling_config` needs a delayed cast to read it.
 
 Works on `CastConfig` objects (the resolved casts: `(Operand, Gemm)` -> CastConfig, target
 dtypes filled in) through what they answer: `enabled`, `keeps_scale` (the one place the
@@ -208,3 +209,15 @@ def check_static_scale(scale: float | None, dtypes: tuple[torch.dtype, ...]) -> 
             "underflow. The scale multiplies values into float8 range: pass fp8_max / "
             "expected amax (e.g. 448 / 3.0 for an e4m3 tensor with |x| <= 3)"
         )
+
+
+def check_delayed_scaling_config(given: object, default: object, *, read: bool) -> None:
+    """Only delayed casts read `delayed_scaling_config` (`read`: some cast is delayed): a
+    non-default one with none would change nothing."""
+    if read or given == default:
+        return
+    raise Float8ConfigError(
+        f"delayed_scaling_config={given} is only read by delayed casts, but no cast is "
+        "delayed; make the casts delayed (CastConfig(scaling_type='delayed')) or drop "
+        "delayed_scaling_config"
+    )

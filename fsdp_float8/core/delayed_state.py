@@ -252,8 +252,7 @@ class DelayedScalingState(nn.Module):
         versions = self.scale_versions
         if all(getattr(self, f"fp8_scale_{op.value}")._version == v for op, v in versions.items()):
             return False
-        self.ready_ops = frozenset()
-        self.epoch += 1
+        self.forget_ready()
         self.remake_inverses()
         return True
 
@@ -266,6 +265,12 @@ class DelayedScalingState(nn.Module):
             if view.inverse is not None:
                 view.inverse.copy_(view.scale.reciprocal())
         self._note_scales()
+
+    def forget_ready(self) -> None:
+        """Nothing is taken as synced until a sync (or a load) says so again; a host read of
+        the flags queued before now is dropped when it lands (`mark_ready`)."""
+        self.ready_ops = frozenset()
+        self.epoch += 1
 
     def unready(self) -> list[Operand]:
         """The delayed operands whose synced scale the host has not seen yet."""
@@ -296,8 +301,7 @@ class DelayedScalingState(nn.Module):
                 state.nonfinite.zero_()
         self.fp8_forwards.zero_()
         self.weight_ready = False
-        self.ready_ops = frozenset()
-        self.epoch += 1
+        self.forget_ready()
         self._note_scales()
 
     def __setstate__(self, state) -> None:
@@ -334,8 +338,7 @@ def _buffers_handed_out(state: DelayedScalingState, state_dict, prefix, metadata
     # takes the scale the device holds, with its inverse made in the graph (a recompile
     # the first time; the same numbers, one small amax pass more per cast until then)
     if state.ready_ops:
-        state.ready_ops = frozenset()
-        state.epoch += 1
+        state.forget_ready()
 
 
 def _refresh_host_flags(state: DelayedScalingState, incompatible_keys) -> None:
