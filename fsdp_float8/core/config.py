@@ -35,6 +35,7 @@ from fsdp_float8.core.config_rules import (
     check_delayed_scaling_config,
     check_linear_blocks,
     check_no_e5m2_pair,
+    check_share_input_casts,
     check_static_power_of_2,
     check_static_scale,
 )
@@ -50,6 +51,7 @@ from fsdp_float8.core.gemms import OPERANDS, PRIMARY_GEMM, SECOND_GEMM, Gemm, Op
 from fsdp_float8.core.recipes import Float8LinearRecipeName, recipe_fields
 
 E4M3 = torch.float8_e4m3fn
+INPUT_GEMMS = (Gemm.OUTPUT, Gemm.GRAD_WEIGHT)
 E5M2 = torch.float8_e5m2
 FLOAT8_DTYPES = (E4M3, E5M2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
@@ -198,7 +200,8 @@ class Float8LinearConfig:
 
     `share_input_casts` (off by default): layers that read the same input tensor with the
     same dynamic casts (attention's wq/wk/wv, SwiGLU's w1/w3) share its float8 casts, one
-    amax pass and one saved copy instead of one per layer (`fsdp_float8.core.input_casts`).
+    amax pass and one saved copy instead of one per layer (`fsdp_float8.core.input_casts`);
+    input casts other than dynamic in both uses share nothing and are refused.
     The share is keyed by the input tensor and its version counter, so its contract is:
     between two readers of an input, nothing writes that input except in-place PyTorch ops
     on it or its views (they move the counter). Writes that leave the counter alone give
@@ -258,6 +261,11 @@ class Float8LinearConfig:
             self.delayed_scaling_config,
             DelayedScalingConfig(),
             read=ScalingType.DELAYED in self.scaling_types(),
+        )
+        input_kinds = {g: casts[(Operand.INPUT, g)].scaling_type for g in INPUT_GEMMS}
+        check_share_input_casts(
+            self.share_input_casts,
+            {g: k.value for g, k in input_kinds.items() if k is not ScalingType.DYNAMIC},
         )
         if not self.emulate:
             check_no_e5m2_pair(casts)

@@ -221,3 +221,16 @@ def check_delayed_scaling_config(given: object, default: object, *, read: bool) 
         "delayed; make the casts delayed (CastConfig(scaling_type='delayed')) or drop "
         "delayed_scaling_config"
     )
+
+
+def check_share_input_casts(share: bool, not_dynamic: dict[Gemm, str]) -> None:
+    """`share_input_casts` shares dynamic casts of the input's two uses (forward and
+    grad_weight; `not_dynamic`: the scaling type of each use that is not dynamic): with
+    any other input cast it would share nothing."""
+    for gemm, kind in not_dynamic.items():
+        if share:
+            raise Float8ConfigError(
+                f"share_input_casts=True shares dynamic casts of the input, but its cast for "
+                f"the {gemm.value} GEMM is {kind}: nothing would be shared. Use dynamic "
+                "input casts (both uses, not disabled) or share_input_casts=False"
+            )

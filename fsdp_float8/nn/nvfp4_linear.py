@@ -102,6 +102,12 @@ class NVFP4Config:
             raise Float8ConfigError(
                 f"NVFP4Config.seed must be an int in [0, 2**63), got {self.seed!r}"
             )
+        if self.seed and not (self.hadamard_grad_weight or self.stochastic_rounding):
+            raise Float8ConfigError(
+                f"NVFP4Config(seed={self.seed}) seeds the Hadamard signs and the rounding "
+                "draws, but hadamard_grad_weight and stochastic_rounding are both off: the "
+                "seed would change nothing; turn one of them on or leave seed=0"
+            )
 
     def uses_block_scales(self) -> bool:
         return True

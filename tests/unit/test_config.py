@@ -328,3 +328,30 @@ def test_power_of_2_rounding_refuses_a_static_scale_it_would_not_round() -> None
     config = Float8LinearConfig(cast_config_weight=power, round_scales_to_power_of_2=True)
     assert config.strategy(Operand.WEIGHT, Gemm.GRAD_INPUT) == StaticScaling(scale=0.25)
     assert Float8LinearConfig(cast_config_input=static).cast_config_input.static_scale == 3.0
+
+
+@pytest.mark.parametrize(
+    "config, cast",
+    [
+        ({"cast_config_input": CastConfig(scaling_type="delayed")}, "delayed"),
+        ({"cast_config_input": CastConfig(scaling_type="static", static_scale=4.0)}, "static"),
+        (
+            {
+                "cast_config_input_for_grad_weight": CastConfig(scaling_type="disabled"),
+                "cast_config_grad_output_for_grad_weight": CastConfig(scaling_type="disabled"),
+            },
+            "disabled",
+        ),
+    ],
+)
+def test_share_input_casts_refuses_input_casts_it_cannot_share(config, cast) -> None:
+    # only dynamic casts of both input uses are shared: anything else would share nothing
+    with pytest.raises(ValueError, match="share_input_casts=True") as info:
+        Float8LinearConfig(share_input_casts=True, **config)
+    message = str(info.value)
+    assert cast in message and "share_input_casts=False" in message
+    with pytest.raises(ValueError, match="share_input_casts=True"):
+        Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp", share_input_casts=True)
+    assert Float8LinearConfig(**config).share_input_casts is False
+    shared = Float8LinearConfig.from_recipe_name("rowwise", share_input_casts=True)
+    assert shared.share_input_casts is True

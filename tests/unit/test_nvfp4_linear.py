@@ -207,6 +207,12 @@ def test_refusals() -> None:
         NVFP4Linear(40, 128)
     with pytest.raises(Float8ConfigError, match="seed"):
         NVFP4Config(seed=-1)
+    # a seed that no random feature reads would change nothing
+    with pytest.raises(Float8ConfigError, match=r"seed=7\) .*hadamard_grad_weight") as info:
+        NVFP4Config(seed=7, hadamard_grad_weight=False, stochastic_rounding=False)
+    assert "seed=0" in str(info.value)
+    assert NVFP4Config(hadamard_grad_weight=False, stochastic_rounding=False).seed == 0
+    assert NVFP4Config(seed=7, hadamard_grad_weight=False).seed == 7
     with pytest.raises(Float8ConfigError, match="stochastic_rounding must be a bool"):
         NVFP4Config(stochastic_rounding=1)  # type: ignore[arg-type]
     _, layer = _layer()
