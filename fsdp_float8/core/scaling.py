@@ -135,8 +135,9 @@ _UNSPLIT_ROW = 8192
 
 def _rows_first(hp: torch.Tensor) -> bool:
     """Whether a compiled GPU amax of `hp` takes its row maxes first: rows that Inductor
-    reduces in one loop each."""
-    return hp.dim() >= 2 and hp.shape[-1] <= _UNSPLIT_ROW
+    reduces in one loop each, of a tensor whose whole max Inductor would split into two
+    kernels (over at most `_MAX_GROUPS` values it is one kernel, which the cast joins)."""
+    return hp.dim() >= 2 and hp.shape[-1] <= _UNSPLIT_ROW and hp.numel() > _MAX_GROUPS
 
 
 def stacked_scales(

@@ -121,6 +121,8 @@ def block(gpu: str, recipe: str, lib: str = "fsdp_float8") -> Compiled:
 GRAPHS = {
     "linear": ("linear", (4, 512, 1024), "bf16"),
     "linear_bias": ("linear_bias", (4, 512, 1024), "bf16"),
+    # whole tensors of at most 8,192 values: Inductor reduces each in one kernel
+    "linear_tiny": ("linear_tiny", (32, 64), "bf16"),
     "gelu_mlp": ("gelu_mlp", (2048, 1024), "bf16"),
     "relu_mlp3": ("relu_mlp3", (8, 256, 512), "bf16"),
     # float32 parameters under bf16 autocast (the layer casts its input to bf16)
@@ -152,6 +154,8 @@ class _Attention(nn.Module):
 def _layers(name: str) -> nn.Module:
     if name == "linear":
         return nn.Sequential(nn.Linear(1024, 2048, bias=False))
+    if name == "linear_tiny":
+        return nn.Sequential(nn.Linear(64, 128, bias=False))
     if name == "linear_bias":
         return nn.Sequential(nn.Linear(1024, 2048))
     if name == "gelu_mlp":
