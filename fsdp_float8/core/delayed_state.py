@@ -60,6 +60,8 @@ class DelayedState(NamedTuple):
     # the cast takes `scale` as it is, so it joins the kernel that reads its tensor
     ready: bool = False
     inverse: torch.Tensor | None = None  # () float32: 1 / scale, made with it
+    # () float32: the layer's training-forward count, which this operand's record bumps
+    forwards: torch.Tensor | None = None
 
     def record(self, amax: torch.Tensor) -> None:
         """Keep the max of the amaxes seen since the last sync. A non-finite amax (a batch
@@ -69,6 +71,9 @@ class DelayedState(NamedTuple):
         self.amax.copy_(torch.where(finite, torch.maximum(self.amax, amax), self.amax))
         if self.nonfinite is not None:
             self.nonfinite.add_((~finite).to(self.nonfinite.dtype))
+        if self.forwards is not None:  # 1 for any amax (NaN != -1): read from the amax, the
+            # count joins the kernel that records it instead of a kernel of its own
+            self.forwards.add_((amax != -1).to(self.forwards.dtype))
 
     def roll(
         self,
@@ -163,12 +168,13 @@ class DelayedScalingState(nn.Module):
         return all(bool(self.view(op).initialized) for op in self.operands)
 
     # -- the casts ------------------------------------------------------------------------
-    def views(self, training: bool) -> dict[Operand, DelayedState]:
+    def views(self, training: bool, count_in_input: bool = False) -> dict[Operand, DelayedState]:
         """The per-operand states a forward casts with. Outside training the casts use the
         delayed scales but record into scratch amaxes, so evaluation never feeds the
         history. A training forward is counted on the device (no host state to guard on
         under torch.compile; an activation-checkpoint recompute only re-records the same
-        amaxes, which a max leaves unchanged). Eager, a scale written in place since the host
+        amaxes, which a max leaves unchanged); with `count_in_input` (the forward casts
+        and records its input) by the input's record, else here. Eager, a scale written in place since the host
         last knew it (`drop_if_scales_written`) is seen here too, so a forward that no
         refresh precedes (evaluation, the float8 step off) casts with it and its inverse."""
         if not torch.compiler.is_compiling():
@@ -179,7 +185,10 @@ class DelayedScalingState(nn.Module):
                 op: s._replace(amax=torch.zeros_like(s.amax), nonfinite=None)
                 for op, s in states.items()
             }
-        self.fp8_forwards.add_(1)
+        if count_in_input and Operand.INPUT in states:  # the forward records its input
+            states[Operand.INPUT] = states[Operand.INPUT]._replace(forwards=self.fp8_forwards)
+        else:
+            self.fp8_forwards.add_(1)
         return states
 
     def scratch(self, op: Operand) -> DelayedState | None:

@@ -345,7 +345,9 @@ class Float8Linear(QuantizedLinear):
             refuse_dtype_mismatch(x.dtype, weight.dtype)
         with torch.autocast(x.device.type, enabled=False):
             delayed = self.delayed_scaling
-            states = delayed.views(is_training_forward(self)) if delayed is not None else {}
+            states = {}
+            if delayed is not None:  # a pre-cast input is not recorded: counted apart
+                states = delayed.views(is_training_forward(self), type(x) is not Float8Tensor)
             out = _Float8LinearFn.apply(
                 x, weight, self.plan, states, self.config.save_input_in_float8
             )

@@ -31,7 +31,7 @@ ATTENTION_BMM = {"forward": 2, "backward": 4}
 # Triton launches (forward, backward) of the block on H100, and torchao 0.18's on the same
 # block (`python -m tests.gpucodegen.compare_fsdp`, docs/results.md); the target: launches
 # at most 0.8x torchao's, and non-GEMM MB (Inductor's per-kernel estimates) below its
-PINNED = {"tensorwise": (26, 27), "rowwise": (19, 39), "delayed_synced": (35, 29)}
+PINNED = {"tensorwise": (26, 27), "rowwise": (19, 39), "delayed_synced": (28, 29)}
 TORCHAO = {"tensorwise": (41, 41), "rowwise": (20, 59)}
 TORCHAO_MB = {"tensorwise": 24.46, "rowwise": 28.84}
 # delayed scaling after the first sync, beside torchao's tensorwise (it has no delayed)

@@ -322,3 +322,26 @@ def test_sync_before_the_first_forward_seeds_only_the_weight() -> None:
         assert torch.equal(buf, seeded[name]), name
     _step(mod, torch.randn(2, 64))  # a normal step after it
     assert mod.delayed_scaling.ready and bool(mod.delayed_scaling.view(Operand.INPUT).initialized)
+
+
+@pytest.mark.parametrize("fill", [1.0, float("nan"), 0.0], ids=["finite", "nan", "zero"])
+def test_each_training_forward_marks_the_layer_as_run(fill: float) -> None:
+    # the sync rolls a layer's history only where it ran: every training forward counts
+    # on the device (through its input's record, whatever that amax is), no other forward
+    layer = _layer()
+    x = torch.full((4, 64), fill)
+    with torch.no_grad():
+        layer(x)
+    layer.eval()
+    layer(x)
+    layer.train()
+    assert layer.delayed_scaling.fp8_forwards.item() == 0
+    layer(x)
+    assert layer.delayed_scaling.fp8_forwards.item() == 1
+    layer(x)
+    assert layer.delayed_scaling.fp8_forwards.item() == 2
+    weight_only = Float8Linear(
+        64, 32, config=Float8LinearConfig(cast_config_weight=DELAYED)
+    )  # no delayed input: counted apart from any record
+    weight_only(x)
+    assert weight_only.delayed_scaling.fp8_forwards.item() == 1
