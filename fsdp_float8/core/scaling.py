@@ -38,6 +38,7 @@ callers that hold an amax already (a batched reduction, a history) ask
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -118,13 +119,23 @@ def rows_then_tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Ten
     """`tensor_amax` as the max of each row's max |x| (the same value: max is associative).
     Compiled for a GPU, the row maxes join the kernel of a loop over the same rows: the
     cast's, when it does not wait for this amax (a synced delayed scale), or the producer's
-    (a norm, a pointwise op); then a small reduction of the row maxes. (Groups of rows, as
-    `stacked_scales` reduces, would leave fewer maxes, but Inductor does not fuse a
-    reduction over groups with such a loop.)"""
+    (a norm, a pointwise op); then a small reduction of the row maxes, compiled in equal
+    slices of at most 8,192 (Inductor reduces a slice of that size in one loop, and the
+    slices in one kernel; over more it splits the reduction into two kernels). (Groups of
+    rows, as `stacked_scales` reduces, would leave fewer maxes, but Inductor does not fuse
+    a reduction over groups with such a loop.)"""
     hp = hp.detach()
     if hp.dim() < 2 or hp.numel() == 0:
         return tensor_amax(hp, exact=exact)
-    amax = hp.abs().amax(dim=-1).amax()
+    row_maxes = hp.abs().amax(dim=-1).reshape(-1)
+    rows = row_maxes.shape[0]
+    parts = next((p for p in range(1, 9) if rows % p == 0 and rows // p <= _MAX_GROUPS), 1)
+    if parts == 1 or not torch.compiler.is_compiling():
+        amax = row_maxes.amax()
+    else:  # equal slices of at most 8,192 row maxes: one kernel reduces them all
+        size = rows // parts
+        slices = [row_maxes[i * size : (i + 1) * size].amax() for i in range(parts)]
+        amax = functools.reduce(torch.maximum, slices)
     return amax if exact else amax.to(torch.float32)
 
 

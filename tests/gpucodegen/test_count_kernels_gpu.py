@@ -58,3 +58,16 @@ def test_rowwise_with_gw_hp_launches_pinned():
     assert sum(PINNED["rowwise_with_gw_hp"]) <= 0.8 * sum(TORCHAO["rowwise_with_gw_hp"])
     assert counts["gemms"] == {"_scaled_mm": 6, "mm": 3}  # grad_weight in bf16, by design
     assert counts["nongemm_bytes"] < TORCHAO_MB["rowwise_with_gw_hp"] * 1e6
+
+
+@pytest.mark.parametrize("shape", ["small", "llama3_8b"])
+def test_delayed_launches_pinned(shape):
+    """Tensorwise with delayed scaling, as compiled after the first sync: each cast one
+    pass that also takes its tensor's row maxes, then one small kernel that reduces them
+    and records the amax (with the layer's forward count when it is the input's); a weight
+    of more than 8,192 rows (8B's w1, w3: 14,336) reduces its row maxes in equal slices of
+    at most 8,192, so Inductor keeps that in one kernel too."""
+    counts = count_kernels.gpu_block_counts("h100", "ours", "delayed", shape)
+    assert (counts["triton_fwd"], counts["triton_bwd"]) == (10, 9)
+    assert sum((10, 9)) <= 0.8 * sum(TORCHAO["tensorwise"])
+    assert counts["gemms"] == {"_scaled_mm": 9}
