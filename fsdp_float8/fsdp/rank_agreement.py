@@ -13,9 +13,10 @@ multi-threaded test process group) meet at the same keys. The first handshake of
 carries the config fingerprint: `fingerprint(weights)` hashes each setting over every
 linear and expert weight into one float64 per field, and ranks that converted differently
 (another recipe, scaling type, static scale, float8 all-gather on one rank only, another
-module filter) get a ValueError on every rank naming each field and the ranks holding each
-value. The fake backend (one process playing one rank) has no usable store and is not
-checked.
+module filter, weights of another shape or dtype) get a ValueError on every rank naming each
+field and the ranks holding each value; so do ranks of which some hold float8 layers that were
+converted or replaced since their group's first check and others do not. The fake backend
+(one process playing one rank) has no usable store and is not checked.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from fsdp_float8.core.config import Float8LinearConfig
 
 FIELDS: tuple[str, ...] = (
     "float8_layers",
+    "weight_shape",  # the global shape (FSDP2's all-gathers are sized by it)
+    "weight_dtype",
     *(f.name for f in dataclasses.fields(Float8LinearConfig)),
     "weight_wrapper",
     "layer_config",  # a config of another type (a format's own, with a linear_class): its repr
@@ -52,6 +55,9 @@ def _field_value(module: nn.Module, name: str, field: str) -> object:
     config = getattr(module, "config", None)
     if field == "float8_layers":
         return config is not None
+    if field in ("weight_shape", "weight_dtype"):
+        w = getattr(module, name)
+        return tuple(w.shape) if field == "weight_shape" else str(w.dtype)
     if config is None:
         return None
     if field == "weight_wrapper":
@@ -77,6 +83,8 @@ def check_agreement(fingerprints: torch.Tensor, group: dist.ProcessGroup | None)
     if all(row == rows[0] for row in rows):
         return
     ranks = [dist.get_global_rank(group, i) if group else i for i in range(len(rows))]
+    # a rank that sent no fingerprint had checked all its float8 layers at an earlier refresh
+    before = [r for r, row in zip(ranks, rows, strict=True) if row == _row("")]
     diffs = []
     for j, name in enumerate(FIELDS):
         holders: dict[float, list[int]] = {}
@@ -84,6 +92,11 @@ def check_agreement(fingerprints: torch.Tensor, group: dist.ProcessGroup | None)
             holders.setdefault(row[j], []).append(rank)
         if len(holders) > 1:
             diffs.append(f"{name}: ranks " + " vs ".join(str(r) for r in holders.values()))
+    if before:  # their rows are -1 in every field: only `float8_layers` is told
+        diffs = diffs[:1] + [
+            f"ranks {before} had checked their float8 layers before, the others hold float8 "
+            "layers converted or replaced since"
+        ]
     raise ValueError(
         "float8 settings differ across the ranks of the mesh ("
         + "; ".join(diffs)
@@ -196,7 +209,9 @@ def handshake(pg: dist.ProcessGroup, head: torch.Tensor | None, what: str) -> No
             "rank waits"
         ) from None
     _forget(store, prefix, seq, me, ranks[0])
-    if head is not None and int(store.add(f"{prefix}/differ", 0)):
+    # every rank checks, also one that sent no fingerprint (its layers were checked before):
+    # a peer that raises would otherwise leave it alone in the refresh collective
+    if int(store.add(f"{prefix}/differ", 0)):
         rows = [_row(store.get(f"{prefix}/{r}").decode()) for r in ranks]
         check_agreement(torch.tensor(rows, dtype=torch.float64), pg)
 

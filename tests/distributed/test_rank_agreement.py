@@ -12,6 +12,7 @@ import io
 import os
 import sys
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 import torch
@@ -92,6 +93,40 @@ def test_different_configs_raise_on_every_rank(tmp_path):
             assert "same Float8LinearConfig" in msg
 
 
+# name -> (rank 0's model, rank 1's model, the field the error must name): the same float8
+# config on both, weights of another shape or dtype (FSDP2's all-gathers would not match)
+SHAPES = {
+    "weight_shape": ((64, torch.float32), (32, torch.float32)),
+    "weight_dtype": ((64, torch.float32), (64, torch.bfloat16)),
+}
+
+
+def _disagreeing_models(rank, world_size):
+    out = {}
+    for field, models in SHAPES.items():
+        dim, dtype = models[rank]
+        case = replace(MLP, dim=dim)
+        model = build_model(case).to(dtype)
+        convert_to_float8_training(model, config=TENSORWISE)
+        shard(model, case, cpu_mesh(world_size))
+        try:
+            loss_of(model, case, batch(case, 0, rank, world_size).to(dtype)).backward()
+            out[field] = None
+        except ValueError as e:
+            out[field] = str(e)
+    return out
+
+
+def test_different_weight_shapes_or_dtypes_raise_on_every_rank(tmp_path):
+    results = run_distributed(_disagreeing_models, 2, tmp_path, timeout_s=90)
+    for rank, messages in enumerate(results):
+        for field in SHAPES:
+            msg = messages[field]
+            assert msg is not None, f"rank {rank}: {field} trained on"
+            assert f"{field}: ranks [0] vs [1]" in msg, (rank, field, msg)
+            assert "same model" in msg
+
+
 class _Branchy(nn.Module):
     """Two delayed layers; `skip` leaves the second out of the forward (on one rank)."""
 
@@ -121,6 +156,47 @@ def _skipped_layer(rank, world_size):
 def test_a_rank_that_skipped_a_layer_gets_an_error(tmp_path):
     for rank, msg in enumerate(run_distributed(_skipped_layer, 2, tmp_path, timeout_s=60)):
         assert msg is not None and "['b']" in msg and "some ranks but not" in msg, (rank, msg)
+
+
+def _stay_until_all_done(rank, world_size):
+    """Keep this rank's process up until every rank got here (at most 20 s), so that a peer
+    blocked in a collective stays blocked instead of failing on a closed connection."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"done/{rank}", "1")
+    try:
+        store.wait([f"done/{r}" for r in range(world_size)], timedelta(seconds=20))
+    except RuntimeError:
+        pass
+
+
+def _converted_later_on_one_rank(rank, world_size):
+    torch.manual_seed(0)
+    config = replace(DELAYED, enable_fsdp_float8_all_gather=False)
+    model = convert_to_float8_training(
+        _Branchy(), config=config, module_filter_fn=lambda m, fqn: fqn != "b"
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    msg = None
+    try:
+        for step in range(3):
+            if step == 1 and rank == 1:  # rank 1 alone converts layer b after a step
+                convert_to_float8_training(model, config=config)
+            sync_float8_amax_and_scale_history(model, group=dist.group.WORLD)
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+    except ValueError as e:
+        msg = str(e)
+    _stay_until_all_done(rank, world_size)
+    return msg
+
+
+def test_a_layer_converted_later_on_one_rank_gets_an_error_on_every_rank(tmp_path):
+    """Each rank raises the ValueError itself: the rank whose layers had been checked before
+    does not go on into a refresh collective its peer never joins."""
+    results = run_distributed(_converted_later_on_one_rank, 2, tmp_path, timeout_s=90)
+    for rank, msg in enumerate(results):
+        assert msg is not None and "float8_layers: ranks [0] vs [1]" in msg, (rank, msg)
+        assert "ranks [0] had checked their float8 layers before" in msg, (rank, msg)
 
 
 def _precompute_on_rank_0_only(rank, world_size):

@@ -17,7 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from f8train.checkpoint import MANIFEST, Checkpointer, dcp_problem, write_manifest
+from torch.distributed.checkpoint.stateful import Stateful
+
+from f8train.checkpoint import MANIFEST, Checkpointer, ProgressState, dcp_problem, write_manifest
+from tests.distributed.launcher import run_distributed
 from tests.f8train.checkpoint_setup import find_resume_outcome, resume_args
 from tests.f8train.launch import REPO
 
@@ -109,3 +112,43 @@ def test_trust_writes_the_manifest_of_a_folder_its_owner_vouches_for(tmp_path: P
 
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and f"it has a {MANIFEST} already" in again.stderr
+
+
+class _Holder(Stateful):
+    """A Stateful of non-tensor items (DCP pickles each one into its data files)."""
+
+    def __init__(self, items: dict) -> None:
+        self.items = items
+
+    def state_dict(self) -> dict:
+        return dict(self.items)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.items = dict(state_dict)
+
+
+def _save_and_load(rank, world_size, out: Path, marker: Path):
+    ckpt = Checkpointer(out / "checkpoints", keep=2, is_main=True)
+    ckpt.save(1, {"progress": ProgressState(step=3, tokens=30)}, SETTINGS)
+    ckpt.save(2, {"extra": _Holder({"note": _WritesMarker(marker)})}, SETTINGS)
+    progress = ProgressState()
+    ckpt.load(ckpt.path_for(1), {"progress": progress})
+    try:
+        ckpt.load(ckpt.path_for(2), {"extra": _Holder({"note": None})})
+    except SystemExit as stop:
+        return (progress.step, progress.tokens), str(stop)
+    return (progress.step, progress.tokens), None
+
+
+def test_a_verified_checkpoint_unpickles_its_items_weights_only(tmp_path: Path) -> None:
+    """Past its manifest, a checkpoint's non-tensor items (counters, hyperparameters) load as
+    plain data: one whose unpickling would run code (create the marker) stops the load,
+    naming the checkpoint, and runs nothing."""
+    marker = tmp_path / "marker"
+    [(progress, stopped)] = run_distributed(
+        _save_and_load, 1, tmp_path, tmp_path / "out", marker, timeout_s=120
+    )
+    assert progress == (3, 30)  # plain items load
+    assert not marker.exists()
+    assert stopped is not None and "could not load checkpoint" in stopped, stopped
+    assert "step_00000002" in stopped and "'extra.note' is not plain data" in stopped, stopped
