@@ -116,6 +116,8 @@ def convert_to_float8_training(
     model.float8_conversion_report = report  # type: ignore[assignment]
     if module_filter_fn is None:
         _warn_default_skips(report)
+    if expert_filter_fn is None:
+        _warn_expert_skips(report)
     if report.converted or report.experts_converted:
         for hook in AFTER_CONVERSION:  # the float8 step: no float8 call in the training loop
             hook(model)
@@ -197,6 +199,30 @@ def _warn_default_skips(report: ConversionReport) -> None:
         "module_filter_fn (with emulate=True any dims run); pad_inner_dim=True pads them "
         f"({families_where(broadcasting, 'and')}); model.float8_conversion_report lists "
         "every skip",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+# skips that are no loss to tell: the user's filter, a module converted before, 3-D
+# parameters in no expert layout (a Conv1d's weight, for one)
+_QUIET_EXPERT_SKIPS = ("rejected by expert_filter_fn", "already float8 experts", "3-D parameters")
+
+
+def _warn_expert_skips(report: ConversionReport) -> None:
+    """Name the experts modules kept in high precision by the config or their dims, where
+    no expert_filter_fn chose it: the report alone would let a MoE model train its experts
+    in high precision without a word."""
+    kept = {
+        n: w for n, w in report.experts_skipped.items() if not w.startswith(_QUIET_EXPERT_SKIPS)
+    }
+    if not kept:
+        return
+    named = "; ".join(f"'{n}': {why}" for n, why in kept.items())
+    warnings.warn(
+        f"convert_to_float8_training kept {len(kept)} experts module(s) in high precision: "
+        f"{named}. To keep them so without this warning pass expert_filter_fn=lambda m, "
+        "fqn: False; model.float8_conversion_report lists every skip",
         UserWarning,
         stacklevel=3,
     )

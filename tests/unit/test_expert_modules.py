@@ -235,7 +235,8 @@ class Llama4TextExperts(nn.Module):
 
 
 def test_llama4_transposed_experts_are_skipped_with_the_reason():
-    """It used to be reported converted, then its forward failed with a TypeError."""
+    """Transposed expert weights are no layout the float8 experts take: skipped, named, and
+    the module runs as it was."""
     model = nn.ModuleDict({"experts": Llama4TextExperts()})
     convert_to_float8_training(model, config=ROWWISE)
     report = model.float8_conversion_report
@@ -275,3 +276,28 @@ def test_fused_experts_refuse_an_out_of_range_expert_index():
     index[3, 1] = 9
     with pytest.raises(ValueError, match="top_k_index holds expert 9, but this experts module"):
         float8(x, index, weights)
+
+
+def test_experts_the_config_cannot_convert_are_named_in_a_warning():
+    # kept in high precision by the config, not by the user's choice: said, not only listed
+    model = nn.ModuleDict({"moe": MoE(64, MoEArgs(n_experts=4, hidden_dim=128))})
+    with pytest.warns(UserWarning, match=r"kept 1 experts module\(s\) in high precision") as got:
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("mxfp8"))
+    message = str(got[0].message)
+    assert "'moe.experts'" in message and "block-scaled" in message
+    assert "expert_config=" in message and "expert_filter_fn" in message
+    # the user's choice, an unknown 3-D layout, or a converted model: nothing to say
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = nn.ModuleDict({"moe": MoE(64, MoEArgs(n_experts=4, hidden_dim=128))})
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name("mxfp8"),
+            expert_filter_fn=lambda m, fqn: False,
+        )
+        convert_to_float8_training(nn.ModuleDict({"odd": _Odd()}), config=ROWWISE)
+        model = nn.ModuleDict({"moe": MoE(64, MoEArgs(n_experts=4, hidden_dim=128))})
+        convert_to_float8_training(model, config=ROWWISE)
+        convert_to_float8_training(model, config=ROWWISE)
