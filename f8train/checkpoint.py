@@ -3,10 +3,11 @@
 A save writes the ``Stateful`` objects below (DCP reshards on load: a 2-rank checkpoint loads
 on 1 or 4), then ``manifest.json`` (``f8train.checkpoint_manifest``: each file's size and
 sha256, and the run settings), which marks a finished save; ``verify`` checks a folder
-against it and gives every rank the same sorted findings. DCP's ``.metadata`` is a pickle,
-which can run code when loaded: nothing in a folder is unpickled before the folder is
-verified against its manifest, and a folder without a valid manifest is never loaded; past
-it, the non-tensor items in the data files load ``weights_only`` (plain data, no code).
+against it and gives every rank the same sorted findings. Nothing in a folder is opened
+before the folder is verified against its manifest, and a folder without a valid manifest
+is never loaded. Loading runs no code from the folder: DCP's files are pickles, read
+through ``f8train.dcp_safe`` (``.metadata`` with an allow-list of DCP's metadata classes,
+the tensors and the non-tensor items ``weights_only``).
 Nothing that could load is deleted: a folder without a manifest is an interrupted save only
 when ``dcp_problem`` (file names alone) finds DCP's files missing; one in a save's way is
 renamed ``step_N.set_aside``.
@@ -15,8 +16,6 @@ renamed ``step_N.set_aside``.
 from __future__ import annotations
 
 import errno
-import io
-import pickle
 import re
 import resource
 import shutil
@@ -30,9 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -45,6 +42,7 @@ from f8train.checkpoint_manifest import (
     verify,  # noqa: F401  (importable from here as well)
     write_manifest,
 )
+from f8train.dcp_safe import SafeFileSystemReader, WeightsOnlyLoadPlanner
 from f8train.process_group import all_gather_object, broadcast_from_0
 from f8train.train_log import fmt_bytes
 
@@ -83,30 +81,6 @@ def free_bytes(path: Path) -> int:
     """Free bytes on the file system of ``path`` (its nearest existing parent)."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     return shutil.disk_usage(existing).free
-
-
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load, but the non-tensor items (the optimizer's hyperparameters, the
-    scheduler's and the batcher's counters) unpickle ``weights_only``: DCP's own planner
-    unpickles them with ``weights_only=False``, which runs whatever code a file holds."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            item = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            lines = [line.strip() for line in str(err).splitlines()]
-            why = next((line for line in lines if "Unsupported global" in line), lines[0])
-            why = why.removeprefix("WeightsUnpickler error: ").split(" was not an allowed")[0]
-            raise ValueError(
-                f"the checkpoint item {fqn!r} is not plain data ({why}): f8train's "
-                "checkpoints hold tensors, numbers, strings and containers of them, so this "
-                "folder was written by other code or altered; resume from another checkpoint"
-            ) from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], item)
-        else:
-            self.state_dict[fqn] = item
 
 
 @dataclass
@@ -279,13 +253,18 @@ class Checkpointer:
 
     def load(self, path: Path, state: dict[str, Stateful]) -> None:
         """DCP load of a verified checkpoint; a failure names the checkpoint and exits."""
+        checked = f"could not load checkpoint {path}, although its files match their checksums"
+        reader = SafeFileSystemReader(path)
         try:
-            dcp.load(state, checkpoint_id=path, planner=WeightsOnlyLoadPlanner())
+            reader.read_metadata()  # a refusal stops here, before DCP's retries and logs
+        except ValueError as err:
+            raise SystemExit(f"{checked}: {err}") from None
+        try:
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner())
         except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
             raise SystemExit(
-                f"could not load checkpoint {path}, although its files match their "
-                f"checksums: {'; '.join(_error_lines(err))}\nresume with the flags it was saved with "
-                f"(see the run.json next to it), or use another --out"
+                f"{checked}: {'; '.join(_error_lines(err))}\nresume with the flags it was "
+                f"saved with (see the run.json next to it), or use another --out"
             ) from None
 
     def _prune(self) -> None:

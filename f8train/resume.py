@@ -3,8 +3,8 @@
 ``find_resume`` is a collective (every rank reaches the same answer): ``--resume CKPT``
 takes that one, otherwise the newest intact one; its files are verified against their
 manifest and the settings it depends on (``checkpoint_settings``) compared with this run's.
-A folder without a valid manifest is never resumed from (DCP's ``.metadata`` is a pickle,
-and nothing unverified is unpickled): a newer one in doubt (DCP files, no manifest) stops
+A folder without a valid manifest is never resumed from (nothing unverified is loaded: its
+files could be damaged since the save): a newer one in doubt (DCP files, no manifest) stops
 the run, an older one is named and skipped, ``--resume`` of one is refused;
 ``python -m f8train.resume --trust CKPT`` writes the manifest of a folder its owner trusts.
 No folder DCP could load is deleted: a damaged newer one is renamed ``step_N.damaged``, the
@@ -213,8 +213,8 @@ def _explicit(path: Path) -> _Candidate:
     if not broadcast_from_0((path / MANIFEST).exists() if rank_world()[0] == 0 else None):
         raise SystemExit(
             f"--resume {path}: the folder has no {MANIFEST}, so its files cannot be verified "
-            f"before DCP unpickles its .metadata{_UNPICKLE}. It is not resumed from; nothing "
-            f"was moved or deleted. {_trust_remedy(path)}"
+            f"before DCP loads them{_UNVERIFIED}. It is not resumed from; nothing was moved "
+            f"or deleted. {_trust_remedy(path)}"
         )
     manifest, problems = verify(path)
     if not problems:
@@ -287,19 +287,19 @@ def _stop_in_doubt(ckpt: Checkpointer, doubt: list[Path], newest: Path | None) -
         f"checkpoint folders in doubt under {ckpt.root}:\n{names}\nthey hold DCP files "
         f"(.metadata and .distcp data) but no {MANIFEST} (saved before manifests existed, or "
         "the manifest was lost), so their files cannot be verified, and they are not "
-        f"resumed from: DCP's .metadata is a pickle{_UNPICKLE}. Nothing was deleted or "
-        f"renamed. {_trust_remedy(doubt[-1])} Or {other}."
+        f"resumed from{_UNVERIFIED}. Nothing was deleted or renamed. "
+        f"{_trust_remedy(doubt[-1])} Or {other}."
     )
 
 
-_UNPICKLE = " (unpickling a file runs whatever code it holds)"
+_UNVERIFIED = " (a file damaged since the save would load wrong state, or fail midway)"
 
 
 def _trust_remedy(path: Path) -> str:
     return (
-        f"If you trust {path} (you or your job wrote it, and no one else can write to it), "
-        f"write its manifest with `python -m f8train.resume --trust {path}` and rerun with "
-        f"--resume {path}."
+        f"If you trust {path} (you or your job wrote it, no one else can write to it, and "
+        f"its save finished), write its manifest with `python -m f8train.resume --trust "
+        f"{path}` and rerun with --resume {path}."
     )
 
 
@@ -345,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m f8train.resume",
         description="Write the manifest of a checkpoint folder saved without one, so that "
-        "f8train.train may resume from it. Only for a folder you trust: loading it unpickles "
-        "its .metadata, which runs whatever code that file holds.",
+        "f8train.train may resume from it. Only for a folder you trust: the manifest records "
+        "its files as they are now, and a resume loads them as the run's state (weights, "
+        "optimizer state, counters), checked against it from then on.",
     )
     parser.add_argument("--trust", required=True, metavar="CKPT", help="a step_N folder")
     print(trust(Path(parser.parse_args(argv).trust)))

@@ -9,7 +9,7 @@ was there before is still there afterwards (possibly under a ``.set_aside`` name
 
 - ``legacy_newest``: step 3 has DCP files but no ``manifest.json`` (saved before manifests
   existed, or the manifest was lost): a fresh start would delete it at the next save, and
-  resuming from it would unpickle an unverified ``.metadata``. The run stops, names it, and
+  resuming from it would load files nothing verified. The run stops, names it, and
   offers ``--trust`` of it or ``--resume`` of step 2.
 - ``legacy_only``: no manifest anywhere: stops the same way (a fresh start would delete).
 - ``legacy_explicit``: ``--resume`` of that folder is refused (nothing verified, nothing
