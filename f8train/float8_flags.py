@@ -36,6 +36,11 @@ SCALINGS = ("dynamic", "delayed", "static")
 # whole 32-row blocks per rank); not blockwise: the tiny preset's wk/wv have 64 rows per
 # rank on 2 ranks, not whole 128-row blocks, which a block all-gather refuses
 DEFAULT_ALL_GATHER = ("tensorwise", "mxfp8", *NVFP4_RECIPES)  # nvfp4: 16-row tiles
+# recipes whose float8-gathered weights carry a scale from the whole weight's amax (an
+# NVFP4 tensor amax), which the float8 step precomputes (what --no-precompute turns off)
+PRECOMPUTED = ("tensorwise", *NVFP4_RECIPES)
+# recipes whose GEMMs are emulated on CPU whatever --emulate says (no CPU kernel)
+CPU_EMULATED = ("blockwise", "mxfp8", *NVFP4_RECIPES)
 # static scales multiply hp values into float8 range: roughly fp8_max / expected amax
 DEFAULT_STATIC_SCALES = {"input": 64.0, "weight": 2048.0, "grad_output": 2.0**20}
 # flags that act only on float8 layers, as (attribute, flag, is it set?)
@@ -188,6 +193,18 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--no-precompute applies to --scaling dynamic only (this run: --scaling "
             f"{args.scaling}, whose sync needs the refresh hook); drop it"
+        )
+    elif not args.precompute and not (default_all_gather(args) and args.recipe in PRECOMPUTED):
+        gather = "--fp8-all-gather" if default_all_gather(args) else "--no-fp8-all-gather"
+        problems.append(
+            f"--no-precompute changes nothing with --recipe {args.recipe} and {gather}: no "
+            "weight has a precomputed scale (only float8-gathered weights of --recipe "
+            f"{', '.join(PRECOMPUTED)} do); drop it"
+        )
+    if args.emulate and args.device == "cpu" and args.recipe in CPU_EMULATED:
+        problems.append(
+            f"--emulate changes nothing with --recipe {args.recipe} on --device cpu: its "
+            "GEMMs have no CPU kernel and are emulated anyway; drop it (it acts on CUDA)"
         )
     return problems + _skip_problems(args)
 

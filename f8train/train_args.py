@@ -198,6 +198,12 @@ def _run_problems(args: argparse.Namespace) -> list[str]:
             f"the learning rate never reaches --lr {args.lr:g}; use a --warmup below --steps, "
             "or drop it (default: steps // 10)"
         )
+    for flag in ("allow_recipe_change", "allow_batch_change"):
+        if getattr(args, flag) and args.resume is None and not args.auto_resume:
+            problems.append(
+                f"--{flag.replace('_', '-')} applies to a resumed run, but --no-auto-resume "
+                "without --resume never resumes; drop it, or add --resume"
+            )
     if args.stop_at_step is not None and args.stop_at_step >= args.steps:
         problems.append(
             f"--stop-at-step {args.stop_at_step} is not before --steps {args.steps}, so the "

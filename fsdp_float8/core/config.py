@@ -33,6 +33,7 @@ from fsdp_float8.core.config_rules import (
     check_block_cast,
     check_cast_pairs,
     check_delayed_scaling_config,
+    check_gemm_configs,
     check_linear_blocks,
     check_no_e5m2_pair,
     check_share_input_casts,
@@ -257,6 +258,7 @@ class Float8LinearConfig:
         )
         if self.round_scales_to_power_of_2:
             check_static_power_of_2(named)
+        check_gemm_configs(casts, self)
         check_delayed_scaling_config(
             self.delayed_scaling_config,
             DelayedScalingConfig(),

@@ -10,7 +10,8 @@ construction, each raising ValueError naming the values and the remedy:
 - under power-of-two rounding a static scale (used as given) is a power of two;
 - CUDA float8 GEMMs refuse two e5m2 operands (checked unless emulated);
 - a static scale keeps fp8_max / scale and 1 / scale finite normal float32s;
-- a non-default `delayed_scaling_config` needs a delayed cast to read it.
+- a non-default `delayed_scaling_config` needs a delayed cast to read it;
+- a non-default `use_fast_accum` needs a GEMM that reads it (float8, not MX).
 
 Works on `CastConfig` objects (the resolved casts: `(Operand, Gemm)` -> CastConfig, target
 dtypes filled in) through what they answer: `enabled`, `keeps_scale` (the one place the
@@ -22,6 +23,7 @@ imports this module; this module imports nothing of config.py. The topology come
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -234,3 +236,26 @@ def check_share_input_casts(share: bool, not_dynamic: dict[Gemm, str]) -> None:
                 f"the {gemm.value} GEMM is {kind}: nothing would be shared. Use dynamic "
                 "input casts (both uses, not disabled) or share_input_casts=False"
             )
+
+
+def check_gemm_configs(casts: Casts, config: Any) -> None:
+    """Only a float8 GEMM whose scales are not e8m0 reads its `Float8GemmConfig`
+    (`config.gemm_config(gemm)`; the default: the field's): a high-precision GEMM and an MX
+    GEMM (its kernel takes no fast-accumulation setting; emulated, neither) would ignore a
+    non-default one."""
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    for gemm, (left, right) in GEMM_OPERANDS.items():
+        given, default = config.gemm_config(gemm), fields[f"gemm_config_{gemm.value}"].default
+        if given == default:
+            continue
+        if not casts[(left, gemm)].enabled:
+            why = f"runs in high precision ({left.value} and {right.value} casts disabled)"
+        elif casts[(left, gemm)].scale_dtype == E8M0:
+            why = "is an MX GEMM (e8m0 block scales), whose kernel takes no such setting"
+        else:
+            continue
+        raise Float8ConfigError(
+            f"gemm_config_{gemm.value}={given} is read only by a float8 GEMM with float32 "
+            f"scales, but the {gemm.value} GEMM {why}: it would change nothing; drop "
+            f"gemm_config_{gemm.value} (default {default})"
+        )

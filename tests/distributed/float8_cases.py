@@ -235,9 +235,11 @@ def train_reference(
     convert(master, case, all_gather=rowwise_ag)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-2, foreach=True)
     work = copy.deepcopy(master).to(torch.bfloat16) if case.mp_bf16 else master
-    # replicated, not sharded: the hook cannot know the group; this first sync names it
-    # (remembered by the automatic refreshes that follow) and seeds the weight scales
-    sync_float8_amax_and_scale_history(work, group=dist.group.WORLD)
+    # replicated, not sharded: the hook cannot know the delayed layers' group; this first
+    # sync names it (remembered by the automatic refreshes that follow) and seeds the weight
+    # scales (a model without delayed layers takes no group)
+    delayed = case.scaling in ("delayed", "mixed")
+    sync_float8_amax_and_scale_history(work, group=dist.group.WORLD if delayed else None)
     losses = []
     for step in range(case.steps):
         if case.mp_bf16:

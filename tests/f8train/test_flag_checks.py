@@ -36,6 +36,19 @@ from f8train.train_args import parse_args
         (["--delayed-history", "4"], "--delayed-history 4 is used only with --scaling delayed"),
         (["--scaling", "static", "--no-precompute"], "--no-precompute applies to --scaling"),
         (["--token-dtype", "uint16"], "--token-dtype uint16 applies to a token file"),
+        # no weight of these runs has a precomputed scale for --no-precompute to turn off
+        (["--recipe", "rowwise", "--no-precompute"], "--no-precompute changes nothing with"),
+        (["--recipe", "mxfp8", "--no-precompute"], "--no-precompute changes nothing with"),
+        (
+            ["--no-fp8-all-gather", "--no-precompute"],
+            "--no-precompute changes nothing with --recipe tensorwise and --no-fp8-all-gather",
+        ),
+        # on CPU these recipes' GEMMs are emulated whatever --emulate says
+        (["--device", "cpu", "--recipe", "mxfp8", "--emulate"], "--emulate changes nothing"),
+        (["--device", "cpu", "--recipe", "nvfp4", "--emulate"], "on --device cpu"),
+        # with neither --resume nor --auto-resume nothing is resumed for them to allow
+        (["--no-auto-resume", "--allow-recipe-change"], "--allow-recipe-change applies"),
+        (["--no-auto-resume", "--allow-batch-change"], "--allow-batch-change applies"),
         (["--recipe", "off", "--scaling", "delayed"], "--scaling has no effect with --recipe off"),
         (["--recipe", "off", "--fp8-all-gather"], "--fp8-all-gather / --no-fp8-all-gather has"),
         (["--recipe", "off", "--float8-skip", "blocks.0.*"], "--float8-skip has no effect"),
@@ -72,6 +85,13 @@ def test_flags_that_act_are_accepted(tmp_path: Path) -> None:
     assert parse_args(["--float8-skip", "*.feed_forward.w2", *out]).float8_skip
     moe = ["--recipe", "nvfp4", "--preset", "moe_tiny", "--float8-skip", "*.experts", *out]
     assert parse_args(moe).float8_skip == ["*.experts"]
+    # weights whose all-gather scale (or NVFP4 tensor amax) the float8 step precomputes
+    for recipe in ("tensorwise", "nvfp4"):
+        assert not parse_args(["--recipe", recipe, "--no-precompute", *out]).precompute
+    # on CPU tensorwise --emulate swaps torch._scaled_mm for the float32 emulation
+    assert parse_args(["--device", "cpu", "--emulate", *out]).emulate
+    assert parse_args(["--no-auto-resume", "--resume", "--allow-batch-change", *out])
+    assert parse_args(["--allow-recipe-change", *out]).allow_recipe_change  # auto-resume
     for recipe in ("nvfp4", "nvfp4_4over6"):  # the telemetry observes NVFP4 layers too
         assert parse_args(["--recipe", recipe, "--numerics-every", "5", *out]).numerics_every == 5
 
@@ -171,7 +191,7 @@ def test_nvfp4_recipe_config(tmp_path: Path) -> None:
     assert describe(args).startswith("nvfp4/dynamic fp4-all-gather")
     no_ag = parse_args(["--recipe", "nvfp4", "--no-fp8-all-gather", *out])
     assert float8_config(no_ag) == NVFP4Config()
-    emulated = parse_args(["--recipe", "nvfp4", "--emulate", *out])  # e.g. below SM100
+    emulated = parse_args(["--recipe", "nvfp4", "--device", "cuda", "--emulate", *out])  # < SM100
     assert float8_config(emulated) == NVFP4Config(enable_fsdp_float8_all_gather=True, emulate=True)
     delayed = parse_args(["--recipe", "nvfp4", "--scaling", "delayed", *out])
     with pytest.raises(SystemExit, match="NVFP4 scales are dynamic"):

@@ -355,3 +355,51 @@ def test_share_input_casts_refuses_input_casts_it_cannot_share(config, cast) -> 
     assert Float8LinearConfig(**config).share_input_casts is False
     shared = Float8LinearConfig.from_recipe_name("rowwise", share_input_casts=True)
     assert shared.share_input_casts is True
+
+
+HP_GRAD_WEIGHT = {
+    "cast_config_input_for_grad_weight": OFF,
+    "cast_config_grad_output_for_grad_weight": OFF,
+}
+
+
+@pytest.mark.parametrize(
+    "fields, gemm, why",
+    [
+        (
+            {**HP_GRAD_WEIGHT, "gemm_config_grad_weight": Float8GemmConfig(True)},
+            "grad_weight",
+            "runs in high precision",
+        ),
+        (
+            {"gemm_config_grad_input": Float8GemmConfig(True)},
+            "grad_input",
+            "MX GEMM",
+        ),
+        (
+            {"gemm_config_output": Float8GemmConfig(False)},
+            "output",
+            "MX GEMM",
+        ),
+    ],
+)
+def test_fast_accum_a_gemm_does_not_read_is_refused(fields, gemm: str, why: str) -> None:
+    # a high-precision GEMM and an MX (e8m0-scaled) GEMM take no fast-accumulation setting:
+    # a non-default one would change nothing
+    build = Float8LinearConfig.mxfp8 if why == "MX GEMM" else Float8LinearConfig
+    with pytest.raises(ValueError, match=f"gemm_config_{gemm}=") as info:
+        build(**fields)
+    message = str(info.value)
+    assert why in message and f"the {gemm} GEMM" in message
+    assert f"drop gemm_config_{gemm}" in message
+
+
+def test_fast_accum_defaults_and_float8_gemms_are_accepted() -> None:
+    # the defaults are accepted where they are not read (output's use_fast_accum=True with
+    # an MX or high-precision output GEMM); a float8 GEMM takes any setting
+    assert Float8LinearConfig.mxfp8().gemm_config_output.use_fast_accum is True
+    assert Float8LinearConfig.rowwise_with_gw_hp().gemm_config_grad_weight == Float8GemmConfig()
+    fast = Float8GemmConfig(True)
+    assert Float8LinearConfig.rowwise_with_gw_hp(gemm_config_grad_input=fast)
+    assert Float8LinearConfig.blockwise(gemm_config_grad_weight=fast)
+    assert Float8LinearConfig(**HP_GRAD_WEIGHT, gemm_config_output=Float8GemmConfig(False))

@@ -284,6 +284,25 @@ def test_sync_counts_every_delayed_operand_of_every_layer() -> None:
     assert model[0].delayed_scaling.ready and model[3].delayed_scaling.ready
 
 
+def test_sync_group_without_a_delayed_layer_is_refused() -> None:
+    # only delayed amaxes are reduced over `group`: on a model with no delayed layer it
+    # would change nothing, so it is refused naming the remedy; without it the call is a no-op
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dynamic = nn.Sequential(Float8Linear(32, 32), nn.ReLU(), Float8Linear(32, 16))
+    assert sync_float8_amax_and_scale_history(dynamic) == 0
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="holds no delayed-scaling layer") as info:
+            sync_float8_amax_and_scale_history(dynamic, group=dist.group.WORLD)
+        assert "drop group" in str(info.value)
+        delayed = nn.Sequential(_layer(), nn.ReLU(), Float8Linear(32, 16))
+        assert sync_float8_amax_and_scale_history(delayed, group=dist.group.WORLD) == 3
+    finally:
+        dist.destroy_process_group()
+
+
 def test_warm_up_helper_makes_delayed_ready() -> None:
     mod = make_linear(make_config("tensorwise", "delayed"))
     warm_up(mod, steps=2)
