@@ -174,8 +174,9 @@ def sync_float8_amax_and_scale_history(model: nn.Module, *, group: Group = None)
     histories, update the scales (and refresh stale precomputed weight scales in the same
     collective), unless the automatic float8 step already did since the last optimizer
     step. `group` defaults to the mesh of each layer's FSDP2 weight (none: a single process)
-    and is remembered for later refreshes; a model with no delayed layer refuses it. Returns the number of delayed operands. Before
-    the first forward it seeds every delayed weight's scale from the weight itself."""
+    and is remembered for later refreshes; a model with no delayed layer refuses it.
+    Returns the number of delayed operands. Before the first forward it seeds every delayed
+    weight's scale from the weight itself."""
     step = _step_for(model)
     units = step._units()
     states = [s for u, _ in units if (s := u.delayed()) is not None]
