@@ -51,6 +51,10 @@ def _hash(text: str) -> float:
     return float(int(hashlib.sha256(text.encode()).hexdigest()[:13], 16))
 
 
+# told when a layer is float8 on some ranks only; the config fields follow from it
+_LAYER_FIELDS = ("float8_layers:", "weight_shape:", "weight_dtype:")
+
+
 def _field_value(module: nn.Module, name: str, field: str) -> object:
     config = getattr(module, "config", None)
     if field == "float8_layers":
@@ -92,6 +96,9 @@ def check_agreement(fingerprints: torch.Tensor, group: dist.ProcessGroup | None)
             holders.setdefault(row[j], []).append(rank)
         if len(holders) > 1:
             diffs.append(f"{name}: ranks " + " vs ".join(str(r) for r in holders.values()))
+    if diffs and diffs[0].startswith("float8_layers:"):  # a layer float8 on some ranks only:
+        # its config fields differ with it (None on the others), so they are not listed
+        diffs = [d for d in diffs if d.startswith(_LAYER_FIELDS)]
     if before:  # their rows are -1 in every field: only `float8_layers` is told
         diffs = diffs[:1] + [
             f"ranks {before} had checked their float8 layers before, the others hold float8 "
