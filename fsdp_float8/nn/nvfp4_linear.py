@@ -170,7 +170,9 @@ class _NVFP4LinearFn(torch.autograd.Function):
         # change before then (autograd checks the saved weight's version)
         ctx.quantized = w if w.key else None
         ctx.layer = layer  # no shape on ctx: a symbolic one breaks torch 2.11's Dynamo
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        # _unsafe_view: the same data, but not an autograd view, so an in-place op on the
+        # output is allowed (as on nn.Linear's) and FSDP2 sees no view output
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):

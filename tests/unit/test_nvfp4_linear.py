@@ -308,3 +308,28 @@ def test_an_unsharded_weight_is_quantized_once_per_version() -> None:
     fresh = NVFP4Linear.from_float(nn.Linear(64, 32, bias=False), NVFP4Config())
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(layer(x[2]), fresh(x[2]))
+
+
+@pytest.mark.parametrize("shape", [(8, 256), (2, 4, 256)])
+def test_output_takes_an_in_place_op_like_nn_linear(shape) -> None:
+    # the output is no autograd view: an in-place residual add (`y += x`) runs as on
+    # nn.Linear's output, and FSDP2 (which warns on view outputs, whose in-place ops would
+    # bypass its pre-backward hook) sees a plain tensor
+    _, layer = _layer(stochastic_rounding=False)
+    x = torch.randn(shape)
+    residual = torch.randn(*shape[:-1], 128)
+    grads = []
+    for in_place in (True, False):
+        w = layer.weight
+        w.grad = None
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        assert not y._is_view()
+        if in_place:
+            y += residual
+        else:
+            y = y + residual
+        y.square().sum().backward()
+        grads.append((xi.grad, w.grad))
+    # the same gradients either way
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
