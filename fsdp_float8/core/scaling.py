@@ -68,7 +68,10 @@ def amax_to_scale(
 ) -> torch.Tensor:
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
     fmax = float(torch.finfo(float8_dtype).max)  # `float8_max`, inline: once per cast
-    floor = fmax / MAX_SCALE
+    # `MAX_SCALE` spelled as a literal: Dynamo, compiling with dynamic=True, makes a read
+    # float global a graph input, and a second float8 layer's autograd.Function in the same
+    # graph then fails to trace it (torch 2.13: lift_tracked_freevar_to_input)
+    floor = fmax / 2.0**126  # fmax / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
         amax64 = torch.clamp(amax, min=constant(floor, torch.float64, amax.device, amax.dim()))
