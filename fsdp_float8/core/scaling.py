@@ -70,7 +70,7 @@ def amax_to_scale(
     fmax = float(torch.finfo(float8_dtype).max)  # `float8_max`, inline: once per cast
     # `MAX_SCALE` spelled as a literal: Dynamo, compiling with dynamic=True, makes a read
     # float global a graph input, and a second float8 layer's autograd.Function in the same
-    # graph then fails to trace it (torch 2.13: lift_tracked_freevar_to_input)
+    # graph then fails to trace it (torch 2.11-2.13; 2.15 traces it)
     floor = fmax / 2.0**126  # fmax / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
@@ -388,7 +388,7 @@ class StaticScaling:
         object.__setattr__(self, "granularity", granularity)
         # the value also as its exact hex string, which Dynamo keeps a constant (guarded on
         # equality) even with dynamic=True: a float attribute becomes a graph input there,
-        # which a second float8 layer's autograd.Function fails to trace (torch 2.13)
+        # which a second float8 layer's autograd.Function fails to trace (torch 2.11-2.13)
         object.__setattr__(self, "_scale_hex", float(scale).hex())
 
     def scale(self, hp, dim, float8_dtype, state=None):
