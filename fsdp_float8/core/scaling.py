@@ -39,7 +39,7 @@ callers that hold an amax already (a batched reduction, a history) ask
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -68,7 +68,10 @@ def amax_to_scale(
 ) -> torch.Tensor:
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
     fmax = float(torch.finfo(float8_dtype).max)  # `float8_max`, inline: once per cast
-    floor = fmax / MAX_SCALE
+    # `MAX_SCALE` spelled as a literal: Dynamo, compiling with dynamic=True, makes a read
+    # float global a graph input, and a second float8 layer's autograd.Function in the same
+    # graph then fails to trace it (torch 2.11-2.13; 2.15 traces it)
+    floor = fmax / 2.0**126  # fmax / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
         amax64 = torch.clamp(amax, min=constant(floor, torch.float64, amax.device, amax.dim()))
@@ -377,14 +380,19 @@ class DelayedScaling:
 class StaticScaling:
     scale_value: float = 1.0
     granularity: Granularity = Tensorwise()
+    _scale_hex: str = field(default="0x1.0p+0", repr=False, compare=False)
     own_amax: ClassVar[bool] = False
 
     def __init__(self, scale: float, granularity: Granularity = Tensorwise()):
         object.__setattr__(self, "scale_value", float(scale))
         object.__setattr__(self, "granularity", granularity)
+        # the value also as its exact hex string, which Dynamo keeps a constant (guarded on
+        # equality) even with dynamic=True: a float attribute becomes a graph input there,
+        # which a second float8 layer's autograd.Function fails to trace (torch 2.11-2.13)
+        object.__setattr__(self, "_scale_hex", float(scale).hex())
 
     def scale(self, hp, dim, float8_dtype, state=None):
-        return static_scale_tensor(self.scale_value, hp.device)
+        return static_scale_tensor(float.fromhex(self._scale_hex), hp.device)
 
 
 def static_scale_tensor(value: float, device: torch.device) -> torch.Tensor:

@@ -160,3 +160,42 @@ def test_layers_of_two_shapes_trace_a_dynamic_shape_recompile(kind):
         ye.float().square().sum().backward()
         assert torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad), tokens
     assert counter.frame_count >= 3  # a dynamic-shape recompile did happen
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "tensorwise",
+        "tensorwise:static",
+        "rowwise_with_gw_hp:static",
+        "rowwise",
+        "mxfp8",
+        pytest.param("nvfp4", marks=_NVFP4_DYNAMIC),
+    ],
+)
+def test_a_model_compiled_with_dynamic_true_traces_and_matches_eager(kind):
+    """`torch.compile(model, dynamic=True)`: two float8 layers in one graph, every shape
+    symbolic from the first call. Both layers' casts trace (the scale math and the static
+    scales read no float that Dynamo would make a graph input, which the second layer's
+    autograd.Function cannot reach), and every batch size gives eager's output and
+    gradients bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.ReLU(), nn.Linear(64, 64, bias=False))
+    recipe, _, scaling = kind.partition(":")
+    if recipe == "nvfp4":
+        config = NVFP4Config(emulate=True)
+    elif recipe == "mxfp8":
+        config = make_config(recipe, "dynamic", emulate=True)
+    else:
+        config = make_config(recipe, scaling or "dynamic")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: True)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True, fullgraph=True)
+    for batch in (4, 3):
+        x = torch.randn(batch, 32, 64)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yc, ye = compiled(xc), eager(xe)
+        yc.square().sum().backward()
+        ye.square().sum().backward()
+        assert torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad), batch
+        assert torch.equal(model[2].weight.grad, eager[2].weight.grad), batch
