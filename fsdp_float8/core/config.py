@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from fsdp_float8.core.config_rules import (
     check_share_input_casts,
     check_static_power_of_2,
     check_static_scale,
+    warn_force_recompute,
 )
 from fsdp_float8.core.config_torchao import (
     CAST_FIELD,
@@ -237,15 +237,7 @@ class Float8LinearConfig:
         for operand in OPERANDS:
             self._resolve(operand)
         if self.force_recompute_fp8_weight_in_bwd:
-            # a FutureWarning, not a DeprecationWarning: Python's default filters hide the
-            # latter outside __main__, and torchao logs this one unconditionally
-            warnings.warn(
-                "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated and has "
-                "no effect (as in torchao): the weight's float8 copy for backward is not "
-                "configurable; drop the argument",
-                FutureWarning,
-                stacklevel=3,
-            )
+            warn_force_recompute()
         casts = {key: self.cast(*key) for key in CAST_FIELD}
         check_cast_pairs(
             casts,

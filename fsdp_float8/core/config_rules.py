@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -259,3 +260,16 @@ def check_gemm_configs(casts: Casts, config: Any) -> None:
             f"scales, but the {gemm.value} GEMM {why}: it would change nothing; drop "
             f"gemm_config_{gemm.value} (default {default})"
         )
+
+
+def warn_force_recompute() -> None:
+    """`force_recompute_fp8_weight_in_bwd=True`: deprecated, no effect (as in torchao). A
+    FutureWarning, not a DeprecationWarning: Python's default filters hide the latter
+    outside __main__, and torchao logs this one unconditionally."""
+    warnings.warn(
+        "Float8LinearConfig.force_recompute_fp8_weight_in_bwd is deprecated and has "
+        "no effect (as in torchao): the weight's float8 copy for backward is not "
+        "configurable; drop the argument",
+        FutureWarning,
+        stacklevel=4,
+    )

@@ -68,9 +68,8 @@ def amax_to_scale(
 ) -> torch.Tensor:
     """fp8_max / amax as float32, computed in float64; at most `MAX_SCALE` (amax == 0 too)."""
     fmax = float(torch.finfo(float8_dtype).max)  # `float8_max`, inline: once per cast
-    # `MAX_SCALE` spelled as a literal: Dynamo, compiling with dynamic=True, makes a read
-    # float global a graph input, and a second float8 layer's autograd.Function in the same
-    # graph then fails to trace it (torch 2.11-2.13; 2.15 traces it)
+    # `MAX_SCALE` as a literal: under dynamic=True Dynamo (2.11-2.13) lifts a read float
+    # global to a graph input, which a second float8 layer's Function then fails to trace
     floor = fmax / 2.0**126  # fmax / MAX_SCALE
     if type(amax) is torch.Tensor and not torch.compiler.is_compiling():
         # eager, 4 ops: a float64 floor of the amax's rank promotes the clamp to float64
@@ -123,8 +122,7 @@ def rows_then_tensor_amax(hp: torch.Tensor, *, exact: bool = False) -> torch.Ten
     Compiled for a GPU, the row maxes join the kernel of a loop over the same rows: the
     cast's, when it does not wait for this amax (a synced delayed scale), or the producer's
     (a norm, a pointwise op); then a small reduction of the row maxes, compiled in equal
-    slices of at most 8,192 (Inductor reduces a slice of that size in one loop, and the
-    slices in one kernel; over more it splits the reduction into two kernels). (Groups of
+    slices of at most 8,192 (one kernel; over more Inductor splits it into two). (Groups of
     rows, as `stacked_scales` reduces, would leave fewer maxes, but Inductor does not fuse
     a reduction over groups with such a loop.)"""
     hp = hp.detach()

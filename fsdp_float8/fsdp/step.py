@@ -36,7 +36,6 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -45,13 +44,13 @@ from torch.optim.optimizer import (
 from fsdp_float8.core.amax_sync import Group, group_of
 from fsdp_float8.core.training_forward import is_training_forward
 from fsdp_float8.fsdp import refresh as _refresh
+from fsdp_float8.fsdp.optimizer_params import count_step_as_write, refuse_replaced_parameters
 from fsdp_float8.fsdp.refresh import Unit, grouped_units, has_work, units_of
 from fsdp_float8.fsdp.step_plan import StepPlan, plan_of
 from fsdp_float8.fsdp.streams import caller_stream, first_stream, on_stream
 from fsdp_float8.fsdp.structure import Structure, held_by
 from fsdp_float8.nn.convert import AFTER_CONVERSION
-from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER, Float8WeightWrapper
-from fsdp_float8.weight_wrappers.wrap import replaced_parameter
+from fsdp_float8.weight_wrappers.base import BEFORE_ALL_GATHER
 
 _AUTO, _FORWARD, _EXPLICIT = "after optimizer step", "before forward", "explicit call"
 _STEP_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root module -> step
@@ -272,10 +271,10 @@ def _held_steps(optimizer: torch.optim.Optimizer) -> list[Float8Step]:
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    _refuse_replaced_parameters(optimizer)
+    refuse_replaced_parameters(optimizer)
     held = _held_steps(optimizer)
     if held:
-        _count_step_as_write(optimizer)
+        count_step_as_write(optimizer)
     for step in held:
         step._epoch += 1
 
@@ -287,45 +286,6 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
         _refresh_steps(enabled, _AUTO)
     for step in held:
         step._stepped_epoch = step._epoch
-
-
-def _count_step_as_write(optimizer) -> None:
-    """Count the step about to run as a write into every float8-gathered weight the
-    optimizer holds, before it runs. A step whose kernels write the weights' storage below
-    the wrappers' dispatch (a compiled `optimizer.step`, another library's fused or low-bit
-    kernel) moves neither their mutation generation nor their inner tensors' versions:
-    without this, the scales and packs made before the step would look fresh and the next
-    forward would use the old values. Scales stamped after the step (the automatic refresh,
-    or a precompute in the optimizer's own post hook) are from the new values and stay."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            local = p._local_tensor if isinstance(p, DTensor) else p
-            if isinstance(local, Float8WeightWrapper):
-                local._state.bump()
-
-
-_checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _refuse_replaced_parameters(optimizer) -> None:
-    """An optimizer built before conversion holds Parameters that conversion replaced:
-    they are no longer in the model and would train nothing. Checked once per optimizer
-    (again after `add_param_group`)."""
-    n = sum([len(g["params"]) for g in optimizer.param_groups])
-    if _checked_optimizers.get(optimizer) == n:
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            where = replaced_parameter(p)
-            if where is not None:
-                raise ValueError(
-                    f"this {type(optimizer).__name__} holds the Parameter {where} that "
-                    "convert_to_float8_training replaced (float8 all-gather wraps each weight "
-                    "in a new Parameter): the optimizer would update a tensor the model no "
-                    "longer uses, so that layer would never train. Convert the model before "
-                    "building the optimizer (or rebuild the optimizer from model.parameters())"
-                )
-    _checked_optimizers[optimizer] = n
 
 
 register_optimizer_step_pre_hook(_before_optimizer_step)
